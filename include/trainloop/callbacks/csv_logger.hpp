@@ -1,0 +1,88 @@
+#pragma once
+/// @file
+/// @brief CsvLogger: writes the history as CSV, one row per epoch, replaced atomically each epoch.
+
+#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/detail/format.hpp>
+#include <trainloop/error.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace trainloop {
+
+/// @brief Writes one CSV row per finished epoch: epoch, steps, samples, train_loss, train
+/// metrics, validation loss and metrics, seconds, samples_per_second.
+///
+/// The file is rewritten to a temporary file and renamed into place after every epoch, so a
+/// reader (or a crash) never sees a half-written file. Runs on the main process only.
+class CsvLogger : public Callback {
+ public:
+  /// @param path the CSV file to write (its directory must exist)
+  explicit CsvLogger(std::filesystem::path path) : path_(std::move(path)) {}
+
+  /// Writes files only from the main process.
+  bool main_process_only() const override { return true; }
+
+  void on_fit_begin(TrainState&) override {
+    auto dir = path_.has_parent_path() ? path_.parent_path() : std::filesystem::path(".");
+    TRAINLOOP_CHECK(std::filesystem::is_directory(dir), "the CSV history file's directory ", dir.string(),
+                    " does not exist; expected an existing directory");
+    header_.clear();
+    rows_.clear();
+  }
+
+  void on_epoch_end(TrainState&, const EpochRecord& record) override {
+    std::vector<std::string> names{"epoch", "steps", "samples", "train_loss"};
+    std::vector<std::string> values{std::to_string(record.epoch), std::to_string(record.steps),
+                                    std::to_string(record.samples), detail::fixed(record.train_loss, 6)};
+    for (const auto& [name, value] : record.train_metrics) {
+      names.push_back("train_" + name);
+      values.push_back(detail::fixed(value, 6));
+    }
+    if (record.validation) {
+      names.push_back("val_loss");
+      values.push_back(detail::fixed(record.validation->loss, 6));
+      for (const auto& [name, value] : record.validation->metrics) {
+        names.push_back("val_" + name);
+        values.push_back(detail::fixed(value, 6));
+      }
+    }
+    names.insert(names.end(), {"seconds", "samples_per_second"});
+    values.insert(values.end(), {detail::fixed(record.seconds, 3), detail::fixed(record.samples_per_second, 1)});
+    if (header_.empty()) header_ = join(names);
+    rows_.push_back(join(values));
+    write();
+  }
+
+  /// @brief The file written.
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  static std::string join(const std::vector<std::string>& cells) {
+    std::string line;
+    for (size_t i = 0; i < cells.size(); ++i) line += (i ? "," : "") + cells[i];
+    return line;
+  }
+  void write() const {
+    auto temporary = path_;
+    temporary += ".tmp";
+    {
+      std::ofstream out(temporary, std::ios::trunc);
+      TRAINLOOP_CHECK(out.good(), "cannot write the CSV history file ", temporary.string());
+      out << header_ << '\n';
+      for (const auto& row : rows_) out << row << '\n';
+      TRAINLOOP_CHECK(out.good(), "writing the CSV history file ", temporary.string(), " failed");
+    }
+    std::filesystem::rename(temporary, path_);
+  }
+
+  std::filesystem::path path_;
+  std::string header_;
+  std::vector<std::string> rows_;
+};
+
+}  // namespace trainloop

@@ -1,0 +1,74 @@
+#pragma once
+/// @file
+/// @brief AnyDataset<Batch>: a type-erased, shared handle to any libtorch dataset, so a TrainLoop
+/// accepts TensorDataset, FashionMNIST, a user's torch::data::Dataset or BatchDataset alike.
+
+#include <trainloop/error.hpp>
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace trainloop::data {
+
+/// @brief A dataset that yields ready batches of type `Batch` for a list of indices.
+///
+/// Wraps any dataset with `get_batch(c10::ArrayRef<size_t>)` and `size()`. When the wrapped
+/// dataset returns `std::vector<torch::data::Example<>>` (a plain `torch::data::Dataset` that
+/// defines only `get()`), the examples are stacked into one `torch::data::Example<>`.
+/// Copies share the wrapped dataset.
+template <class Batch = torch::data::Example<>>
+class AnyDataset {
+ public:
+  using BatchType = Batch;                          ///< what get_batch() returns
+  using BatchRequestType = c10::ArrayRef<size_t>;  ///< what get_batch() takes
+
+  /// @brief No dataset (e.g. no validation set).
+  AnyDataset() = default;
+
+  /// @brief Wraps a dataset by value (it is moved into shared storage).
+  template <class Dataset>
+    requires(!std::is_same_v<std::decay_t<Dataset>, AnyDataset>)
+  AnyDataset(Dataset dataset)  // NOLINT(google-explicit-constructor): implicit by design
+      : AnyDataset(std::make_shared<std::decay_t<Dataset>>(std::move(dataset))) {}
+
+  /// @brief Wraps a dataset shared with the caller.
+  template <class Dataset>
+  AnyDataset(std::shared_ptr<Dataset> dataset) {  // NOLINT(google-explicit-constructor)
+    TRAINLOOP_CHECK(dataset != nullptr, "a null dataset was given");
+    auto size = dataset->size();
+    TRAINLOOP_CHECK(size.has_value(), "the dataset has no size; trainloop needs a sized (map-style) dataset");
+    size_ = *size;
+    get_batch_ = [dataset](c10::ArrayRef<size_t> indices) -> Batch {
+      using Produced = decltype(dataset->get_batch(indices));
+      if constexpr (std::is_same_v<Produced, std::vector<torch::data::Example<>>>) {
+        static_assert(std::is_same_v<Batch, torch::data::Example<>>,
+                      "trainloop: a dataset of torch::data::Example<> needs AnyDataset<torch::data::Example<>>");
+        return torch::data::transforms::Stack<torch::data::Example<>>().apply_batch(dataset->get_batch(indices));
+      } else {
+        static_assert(std::is_convertible_v<Produced, Batch>,
+                      "trainloop: the dataset's get_batch() returns a type that is not the TrainLoop's Batch type");
+        return dataset->get_batch(indices);
+      }
+    };
+  }
+
+  /// @brief True when a dataset is held.
+  bool has_value() const { return static_cast<bool>(get_batch_); }
+  /// @brief Number of samples.
+  size_t size() const { return size_; }
+  /// @brief The batch for `indices` (in that order).
+  Batch get_batch(c10::ArrayRef<size_t> indices) const {
+    TRAINLOOP_CHECK(has_value(), "no dataset was given");
+    return get_batch_(indices);
+  }
+
+ private:
+  std::function<Batch(c10::ArrayRef<size_t>)> get_batch_;
+  size_t size_ = 0;
+};
+
+}  // namespace trainloop::data

@@ -1,0 +1,60 @@
+#pragma once
+/// @file
+/// @brief The interface between the loop and a gpu_mode: the only code that knows about devices,
+/// replicas, ranks and collectives.
+///
+/// Each policy type (gpu_mode::Single, ::DataParallel, ::DistributedDataParallel) names an
+/// engine class template, `Policy::engine<Module>`, that the loop instantiates for the model's
+/// module type. The loop, metrics and callbacks talk to the engine only through the members
+/// checked by the ModeEngine concept below:
+///
+/// | member                                   | meaning                                                          |
+/// |------------------------------------------|------------------------------------------------------------------|
+/// | is_main()                                | true on the process that prints and writes files (rank 0)        |
+/// | rank(), world_size()                     | this process's rank and the number of ranks (1 without DDP)      |
+/// | device()                                 | where batches and metric sums live on this process               |
+/// | data_shard()                             | which part of every dataset this process reads (sampler choice)  |
+/// | all_reduce_sum(tensor)                   | in-place sum across ranks                                        |
+/// | any_rank(flag)                           | true on every rank if it is true on any (stop agreement)         |
+/// | barrier()                                | waits for every rank                                             |
+/// | prepare(optimizer)                       | places the model, builds replicas or the process group           |
+/// | train_micro_batch(batch, fwd, scale, sync, sink) | forward + backward, gradients reduced as the mode does   |
+/// | before_optimizer_step(), after_optimizer_step()  | finish gradient reduction / refresh replicas              |
+/// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
+///
+/// `fwd(module, batch)` returns a StepOutput; the engine calls `sink(const StepOutput&)` once per
+/// shard of the batch, on the loop's thread, so metric sums need no locks.
+
+#include <trainloop/model_contract.hpp>
+
+#include <torch/torch.h>
+
+#include <concepts>
+#include <cstdint>
+
+namespace trainloop {
+
+/// @brief The part of each dataset a process reads: shard `rank` of `world_size` strided shards.
+struct DataShard {
+  int64_t rank = 0;        ///< this process's shard
+  int64_t world_size = 1;  ///< number of shards
+};
+
+/// @brief What every gpu_mode engine provides to the loop (see the table in mode_interface.hpp).
+template <class Engine>
+concept ModeEngine = requires(Engine& engine, const Engine& const_engine, torch::Tensor& tensor, bool flag,
+                              torch::optim::Optimizer& optimizer) {
+  { const_engine.is_main() } -> std::convertible_to<bool>;
+  { const_engine.rank() } -> std::convertible_to<int64_t>;
+  { const_engine.world_size() } -> std::convertible_to<int64_t>;
+  { const_engine.device() } -> std::convertible_to<torch::Device>;
+  { const_engine.data_shard() } -> std::convertible_to<DataShard>;
+  engine.all_reduce_sum(tensor);
+  { engine.any_rank(flag) } -> std::convertible_to<bool>;
+  engine.barrier();
+  engine.prepare(optimizer);
+  engine.before_optimizer_step();
+  engine.after_optimizer_step();
+};
+
+}  // namespace trainloop

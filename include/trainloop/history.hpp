@@ -1,0 +1,42 @@
+#pragma once
+/// @file
+/// @brief What fit() returns: one record per epoch, and the result of evaluate().
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace trainloop {
+
+/// @brief Loss and metrics over one dataset, every sample counted exactly once.
+struct EvalResult {
+  double loss = 0.0;                      ///< mean loss per sample
+  int64_t samples = 0;                    ///< number of samples evaluated (over all ranks)
+  std::map<std::string, double> metrics;  ///< metric name -> value
+};
+
+/// @brief Everything measured in one epoch.
+struct EpochRecord {
+  int64_t epoch = 0;                      ///< 1-based epoch number
+  int64_t steps = 0;                      ///< optimizer steps taken in this epoch
+  int64_t samples = 0;                    ///< training samples processed (over all ranks)
+  double train_loss = 0.0;                ///< mean training loss per sample
+  std::map<std::string, double> train_metrics;  ///< training metric name -> value
+  std::optional<EvalResult> validation;   ///< present when a validation set was given
+  double seconds = 0.0;                   ///< wall time of the training part of the epoch
+  double samples_per_second = 0.0;        ///< samples / seconds, over all ranks
+};
+
+/// @brief The per-epoch records of one fit() call.
+struct History {
+  std::vector<EpochRecord> epochs;  ///< one record per epoch run (a partial last epoch included)
+  int64_t total_steps = 0;          ///< optimizer steps taken by this fit()
+  std::string stop_reason;          ///< why fit() ended early (a callback's reason), empty if it did not
+
+  /// @brief The last epoch's record; throws std::out_of_range when no epoch ran.
+  const EpochRecord& last() const { return epochs.at(epochs.size() - 1); }
+};
+
+}  // namespace trainloop

@@ -1,0 +1,78 @@
+#pragma once
+/// @file
+/// @brief TrainLoopOptions: batch sizes, loader workers, seed, accumulation, clipping, metrics.
+
+#include <trainloop/error.hpp>
+#include <trainloop/metrics/metric.hpp>
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace trainloop {
+
+/// @brief Options of a TrainLoop, in libtorch's fluent style:
+/// `TrainLoopOptions().batch_size(128).seed(7).metrics({std::make_shared<Accuracy>()})`.
+struct TrainLoopOptions {
+  /// Samples per micro-batch on each process (per rank in DDP; split across replicas in DP).
+  TORCH_ARG(int64_t, batch_size) = 64;
+  /// Samples per batch during evaluation; 0 means the same as batch_size.
+  TORCH_ARG(int64_t, eval_batch_size) = 0;
+  /// Background threads that prepare batches ahead of the loop; 0 loads in the loop's thread.
+  TORCH_ARG(int64_t, num_workers) = 0;
+  /// Seed for shuffling (combined with the epoch) and for torch's generator at the start of fit().
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Shuffle the training set every epoch (with a seed that changes every epoch).
+  TORCH_ARG(bool, shuffle) = true;
+  /// Drop the last incomplete training batch.
+  TORCH_ARG(bool, drop_last) = false;
+  /// Micro-batches whose gradients are accumulated before each optimizer step.
+  TORCH_ARG(int64_t, grad_accumulation_steps) = 1;
+  /// Clip the global gradient norm to this value before each step; 0 disables clipping.
+  TORCH_ARG(double, clip_grad_norm) = 0.0;
+  /// Metrics computed on training and validation data (the loss is always computed).
+  TORCH_ARG(std::vector<std::shared_ptr<Metric>>, metrics) = {};
+  /// Stop with an error when the epoch's training loss is NaN or infinite (every rank agrees).
+  TORCH_ARG(bool, stop_on_non_finite_loss) = true;
+
+ public:  // TORCH_ARG leaves the section private.
+  /// @brief Throws trainloop::Error naming the first option that is out of range.
+  void validate() const {
+    TRAINLOOP_CHECK(batch_size_ > 0, "batch size is ", batch_size_, "; expected a positive number");
+    TRAINLOOP_CHECK(eval_batch_size_ >= 0, "eval batch size is ", eval_batch_size_,
+                    "; expected a positive number, or 0 for the training batch size");
+    TRAINLOOP_CHECK(num_workers_ >= 0, "num_workers is ", num_workers_, "; expected 0 or more");
+    TRAINLOOP_CHECK(grad_accumulation_steps_ >= 1, "grad_accumulation_steps is ", grad_accumulation_steps_,
+                    "; expected 1 or more");
+    TRAINLOOP_CHECK(clip_grad_norm_ >= 0.0, "clip_grad_norm is ", clip_grad_norm_, "; expected 0 (off) or a positive norm");
+    for (const auto& metric : metrics_) TRAINLOOP_CHECK(metric != nullptr, "a metric in the options is null");
+  }
+  /// @brief The evaluation batch size after applying the 0 = batch_size rule.
+  int64_t effective_eval_batch_size() const { return eval_batch_size_ > 0 ? eval_batch_size_ : batch_size_; }
+};
+
+/// @brief How long fit() trains: a number of epochs, or an exact number of optimizer steps.
+class FitLength {
+ public:
+  /// @brief Train for `n` whole epochs.
+  static FitLength epochs(int64_t n) { return FitLength(n, 0); }
+  /// @brief Train for exactly `n` optimizer steps, crossing epochs as needed.
+  static FitLength iterations(int64_t n) { return FitLength(0, n); }
+  /// @brief Epochs asked for (0 when fitting by iterations).
+  int64_t epoch_count() const { return epochs_; }
+  /// @brief Steps asked for (0 when fitting by epochs).
+  int64_t iteration_count() const { return iterations_; }
+
+ private:
+  FitLength(int64_t epochs, int64_t iterations) : epochs_(epochs), iterations_(iterations) {
+    TRAINLOOP_CHECK(epochs > 0 || iterations > 0, "fit length is ", epochs > 0 ? epochs : iterations,
+                    iterations_label(epochs), "; expected a positive number");
+  }
+  static const char* iterations_label(int64_t epochs) { return epochs == 0 ? " iterations" : " epochs"; }
+  int64_t epochs_;
+  int64_t iterations_;
+};
+
+}  // namespace trainloop

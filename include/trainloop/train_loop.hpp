@@ -1,0 +1,137 @@
+#pragma once
+/// @file
+/// @brief TrainLoop<Model, GpuMode>: trains a libtorch model with one loop in every gpu_mode.
+
+#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/data/any_dataset.hpp>
+#include <trainloop/data/batch_loader.hpp>
+#include <trainloop/detail/fit_runner.hpp>
+#include <trainloop/gpu_mode/single.hpp>
+#include <trainloop/history.hpp>
+#include <trainloop/model_contract.hpp>
+#include <trainloop/options.hpp>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace trainloop {
+
+/// @brief The training loop.
+///
+/// @tparam Model a TORCH_MODULE holder (e.g. `Net` for `NetImpl`) or a module class (then the
+///         loop takes a `std::shared_ptr<Model>`); see model_contract.hpp for what it must define.
+/// @tparam GpuMode the policy: gpu_mode::Single, gpu_mode::DataParallel or
+///         gpu_mode::DistributedDataParallel.
+/// @tparam Batch what the datasets yield per batch; `torch::data::Example<>` (input, target) by default.
+///
+/// @code
+/// trainloop::TrainLoop<Net> loop(net, train_set, test_set, optimizer,
+///                                torch::nn::CrossEntropyLoss(),
+///                                trainloop::TrainLoopOptions().batch_size(128));
+/// trainloop::History history = loop.fit(5);
+/// @endcode
+///
+/// The caller's model holds the trained weights after fit(), in every mode.
+template <class Model, class GpuMode = gpu_mode::Single, class Batch = torch::data::Example<>>
+class TrainLoop {
+ public:
+  /// The module class trained (the holder's contained type, or Model itself).
+  using module_type = detail::module_t<Model>;
+  /// The model as the loop stores it: the holder, or a shared_ptr to the module.
+  using model_handle = typename detail::ModelHandle<Model>::stored_type;
+  /// The engine that implements GpuMode for this model.
+  using engine_type = typename GpuMode::template engine<module_type>;
+  static_assert(ModeEngine<engine_type>, "trainloop: GpuMode's engine does not implement the mode interface");
+
+  /// @brief Builds the loop; nothing is moved or spawned until fit() or evaluate().
+  /// @param model the model; it keeps the trained weights after fit()
+  /// @param train the training dataset (any sized libtorch dataset; copies share it)
+  /// @param validation evaluated after every epoch; `{}` for none
+  /// @param optimizer built over `model`'s parameters; must outlive the loop
+  /// @param criterion (output, target) -> mean loss, e.g. `torch::nn::CrossEntropyLoss()`
+  /// @param options batch size, workers, seed, metrics, ...
+  /// @param mode the gpu_mode policy object (devices, ranks, backend, ...)
+  TrainLoop(model_handle model, data::AnyDataset<Batch> train, data::AnyDataset<Batch> validation,
+            torch::optim::Optimizer& optimizer, Criterion criterion, TrainLoopOptions options = {},
+            GpuMode mode = {})
+      : handle_(std::move(model)),
+        train_(std::move(train)),
+        validation_(std::move(validation)),
+        optimizer_(optimizer),
+        criterion_(std::move(criterion)),
+        options_(std::move(options)),
+        mode_(std::move(mode)) {
+    options_.validate();
+    TRAINLOOP_CHECK(static_cast<bool>(criterion_), "no criterion was given");
+  }
+
+  /// @brief Trains for `epochs` epochs; returns one record per epoch.
+  History fit(int64_t epochs, const CallbackList& callbacks = {}) { return fit(FitLength::epochs(epochs), callbacks); }
+
+  /// @brief Trains for a number of epochs or an exact number of optimizer steps.
+  History fit(const FitLength& length, const CallbackList& callbacks = {}) {
+    return runner().fit(engine(), length, callbacks);
+  }
+
+  /// @brief Loss and the options' metrics over `dataset`, every sample counted once.
+  EvalResult evaluate(const data::AnyDataset<Batch>& dataset) { return runner().evaluate(engine(), dataset); }
+
+  /// @brief The model's outputs for every sample of `dataset`, in dataset order, on the CPU.
+  torch::Tensor predict(const data::AnyDataset<Batch>& dataset) {
+    TRAINLOOP_CHECK(dataset.has_value() && dataset.size() > 0, "predict() needs a non-empty dataset");
+    auto& eng = engine();
+    auto& module = handle_.module();
+    const bool was_training = module.is_training();
+    module.eval();
+    std::vector<size_t> order(dataset.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(order),
+                                                      static_cast<size_t>(options_.effective_eval_batch_size()),
+                                                      static_cast<size_t>(options_.num_workers()), false);
+    std::vector<torch::Tensor> outputs;
+    torch::NoGradGuard no_grad;
+    for (auto&& batch : loader) {
+      auto on_device = detail::batch_to_device(batch, eng.device());
+      if constexpr (detail::HasCustomContract<module_type, Batch>) {
+        outputs.push_back(module.batch_predictions(on_device).output.to(torch::kCPU));
+      } else {
+        outputs.push_back(module.forward(on_device.data).to(torch::kCPU));
+      }
+    }
+    module.train(was_training);
+    return torch::cat(outputs);
+  }
+
+  /// @brief True on the process that should print and write files (rank 0; always true without DDP).
+  bool is_main() { return engine().is_main(); }
+  /// @brief Waits for every rank (nothing to wait for without DDP).
+  void barrier() { engine().barrier(); }
+  /// @brief The model (holding the trained weights after fit()).
+  const model_handle& model() const { return handle_.get(); }
+  /// @brief The options the loop was built with.
+  const TrainLoopOptions& options() const { return options_; }
+
+ private:
+  engine_type& engine() {
+    if (!engine_) engine_.emplace(mode_, handle_.shared());
+    return *engine_;
+  }
+  detail::FitRunner<module_type, Batch> runner() {
+    return detail::FitRunner<module_type, Batch>(handle_.module(), train_, validation_, optimizer_, criterion_, options_);
+  }
+
+  detail::ModelHandle<Model> handle_;
+  data::AnyDataset<Batch> train_;
+  data::AnyDataset<Batch> validation_;
+  torch::optim::Optimizer& optimizer_;
+  Criterion criterion_;
+  TrainLoopOptions options_;
+  GpuMode mode_;
+  std::optional<engine_type> engine_;
+};
+
+}  // namespace trainloop

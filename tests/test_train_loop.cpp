@@ -1,0 +1,271 @@
+#define BOOST_TEST_MODULE test_train_loop
+#include <boost/test/unit_test.hpp>
+
+#include <trainloop/trainloop.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace tl = trainloop;
+
+namespace {
+
+/// A linearly separable 3-class problem: the class is the argmax of a fixed projection.
+tl::data::TensorDataset blobs(int64_t n, uint64_t seed) {
+  auto generator = at::detail::createCPUGenerator(seed);
+  auto x = torch::randn({n, 8}, generator);
+  auto projection = torch::randn({8, 3}, at::detail::createCPUGenerator(1234));
+  auto y = x.matmul(projection).argmax(1);
+  return tl::data::TensorDataset(x, y, 3);
+}
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Net);
+
+Net seeded_net(uint64_t seed) {
+  torch::manual_seed(seed);
+  return Net();
+}
+
+/// Counts every event, to check the loop calls hooks the documented number of times.
+struct CountingCallback : tl::Callback {
+  int fit_begin = 0, epoch_begin = 0, batch_end = 0, step_end = 0, validation_end = 0, epoch_end = 0, fit_end = 0;
+  void on_fit_begin(tl::TrainState&) override { ++fit_begin; }
+  void on_epoch_begin(tl::TrainState&) override { ++epoch_begin; }
+  void on_batch_end(tl::TrainState&) override { ++batch_end; }
+  void on_step_end(tl::TrainState&) override { ++step_end; }
+  void on_validation_end(tl::TrainState&, const tl::EvalResult&) override { ++validation_end; }
+  void on_epoch_end(tl::TrainState&, const tl::EpochRecord&) override { ++epoch_end; }
+  void on_fit_end(tl::TrainState&, const tl::History&) override { ++fit_end; }
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const tl::Error& e) {
+    return e.what();
+  }
+  return "no trainloop::Error thrown";
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(learns_a_learnable_task) {
+  auto net = seeded_net(1);
+  torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+  tl::TrainLoop<Net> loop(net, blobs(512, 1), blobs(256, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(32).metrics({std::make_shared<tl::Accuracy>()}));
+  auto history = loop.fit(8);
+  BOOST_REQUIRE_EQUAL(history.epochs.size(), 8u);
+  const auto& first = history.epochs.front();
+  const auto& last = history.last();
+  BOOST_TEST_MESSAGE("train loss " << first.train_loss << " -> " << last.train_loss << ", val accuracy "
+                                   << last.validation->metrics.at("accuracy"));
+  // The loss falls by at least a factor of 4 and the held-out accuracy is far above chance (1/3).
+  BOOST_TEST(last.train_loss < first.train_loss / 4);
+  BOOST_TEST(last.validation->metrics.at("accuracy") > 0.9);
+  BOOST_TEST(last.samples == 512);
+  BOOST_TEST(last.steps == 16);
+  BOOST_TEST(history.total_steps == 8 * 16);
+  BOOST_TEST(last.samples_per_second > 0);
+  // The trained weights are in the caller's model: evaluating it directly gives the same loss.
+  auto evaluated = loop.evaluate(blobs(256, 2));
+  BOOST_TEST(evaluated.loss == last.validation->loss, boost::test_tools::tolerance(1e-9));
+  BOOST_TEST(evaluated.samples == 256);
+}
+
+BOOST_AUTO_TEST_CASE(fit_by_iterations_takes_exactly_n_steps) {
+  for (int64_t steps : {1, 7, 16, 23}) {
+    auto net = seeded_net(2);
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+    tl::TrainLoop<Net> loop(net, blobs(160, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                            tl::TrainLoopOptions().batch_size(20));  // 8 steps per epoch
+    auto counter = std::make_shared<CountingCallback>();
+    auto history = loop.fit(tl::FitLength::iterations(steps), {counter});
+    BOOST_TEST(history.total_steps == steps);
+    BOOST_TEST(counter->step_end == steps);
+    BOOST_TEST(counter->batch_end == steps);
+    BOOST_TEST(history.epochs.size() == static_cast<size_t>((steps + 7) / 8));
+    int64_t summed = 0;
+    for (const auto& epoch : history.epochs) summed += epoch.steps;
+    BOOST_TEST(summed == steps);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(gradient_accumulation_counts_steps_per_window) {
+  auto net = seeded_net(3);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  // 10 micro-batches per epoch, windows of 3 -> 3 + 3 + 3 + 1: 4 steps.
+  tl::TrainLoop<Net> loop(net, blobs(100, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(10).grad_accumulation_steps(3));
+  auto counter = std::make_shared<CountingCallback>();
+  auto history = loop.fit(2, {counter});
+  BOOST_TEST(counter->batch_end == 20);
+  BOOST_TEST(counter->step_end == 8);
+  BOOST_TEST(history.total_steps == 8);
+}
+
+BOOST_AUTO_TEST_CASE(accumulating_two_half_batches_equals_one_full_batch) {
+  auto run = [](int64_t batch, int64_t accumulation) {
+    auto net = seeded_net(4);
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    tl::TrainLoop<Net> loop(net, blobs(64, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                            tl::TrainLoopOptions().batch_size(batch).grad_accumulation_steps(accumulation).shuffle(false));
+    loop.fit(2);
+    return torch::cat({net->fc1->weight.flatten(), net->fc2->weight.flatten()});
+  };
+  auto full = run(16, 1);
+  auto accumulated = run(8, 2);
+  BOOST_TEST((full - accumulated).abs().max().item<double>() < 1e-6);
+}
+
+BOOST_AUTO_TEST_CASE(callbacks_see_every_event_once) {
+  auto net = seeded_net(5);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(50, 1), blobs(20, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(16));  // 4 batches (16,16,16,2)
+  auto counter = std::make_shared<CountingCallback>();
+  loop.fit(3, {counter});
+  BOOST_TEST(counter->fit_begin == 1);
+  BOOST_TEST(counter->epoch_begin == 3);
+  BOOST_TEST(counter->batch_end == 12);
+  BOOST_TEST(counter->step_end == 12);
+  BOOST_TEST(counter->validation_end == 3);
+  BOOST_TEST(counter->epoch_end == 3);
+  BOOST_TEST(counter->fit_end == 1);
+}
+
+BOOST_AUTO_TEST_CASE(a_callback_can_stop_training) {
+  struct StopAfterTwo : tl::Callback {
+    void on_epoch_end(tl::TrainState& state, const tl::EpochRecord&) override {
+      if (state.epoch == 2) state.request_stop("enough");
+    }
+  };
+  auto net = seeded_net(6);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(10));
+  auto history = loop.fit(10, {std::make_shared<StopAfterTwo>()});
+  BOOST_TEST(history.epochs.size() == 2u);
+  BOOST_TEST(history.stop_reason == "enough");
+}
+
+BOOST_AUTO_TEST_CASE(same_seed_gives_bitwise_identical_weights) {
+  auto run = [](uint64_t seed) {
+    auto net = seeded_net(7);
+    torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+    tl::TrainLoop<Net> loop(net, blobs(200, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                            tl::TrainLoopOptions().batch_size(16).seed(seed));
+    loop.fit(3);
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : net->parameters()) flat.push_back(p.detach().flatten());
+    return torch::cat(flat);
+  };
+  auto a = run(11), b = run(11), c = run(12);
+  BOOST_TEST(torch::equal(a, b));
+  BOOST_TEST(!torch::equal(a, c));  // a different shuffle gives different weights
+}
+
+BOOST_AUTO_TEST_CASE(predict_returns_outputs_in_dataset_order) {
+  auto net = seeded_net(8);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto data = blobs(37, 3);
+  tl::TrainLoop<Net> loop(net, data, {}, optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(8));
+  auto predicted = loop.predict(data);
+  torch::NoGradGuard no_grad;
+  auto direct = net->forward(data.inputs());
+  BOOST_TEST(predicted.sizes() == direct.sizes());
+  BOOST_TEST((predicted - direct).abs().max().item<double>() < 1e-6);
+}
+
+BOOST_AUTO_TEST_CASE(csv_logger_writes_one_row_per_epoch) {
+  auto path = std::filesystem::temp_directory_path() / ("trainloop_history_" + std::to_string(::getpid()) + ".csv");
+  auto net = seeded_net(9);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(40, 1), blobs(20, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(10).metrics({std::make_shared<tl::Accuracy>()}));
+  auto history = loop.fit(3, {std::make_shared<tl::CsvLogger>(path)});
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  BOOST_REQUIRE_EQUAL(lines.size(), 4u);
+  BOOST_TEST(lines[0] == "epoch,steps,samples,train_loss,train_accuracy,val_loss,val_accuracy,seconds,samples_per_second");
+  BOOST_TEST(lines[3].rfind("3,4,40,", 0) == 0);
+  // The loss column holds the history's value.
+  std::istringstream row(lines[2]);
+  std::string cell;
+  for (int i = 0; i < 4; ++i) std::getline(row, cell, ',');
+  BOOST_TEST(std::stod(cell) == history.epochs[1].train_loss, boost::test_tools::tolerance(1e-5));
+  std::filesystem::remove(path);
+}
+
+BOOST_AUTO_TEST_CASE(progress_bar_prints_one_plain_line_per_epoch) {
+  std::ostringstream out;
+  auto net = seeded_net(10);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(40, 1), blobs(20, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(10).metrics({std::make_shared<tl::Accuracy>()}));
+  loop.fit(2, {std::make_shared<tl::ProgressBar>(out, false)});
+  auto text = out.str();
+  BOOST_TEST(std::count(text.begin(), text.end(), '\n') == 2);
+  BOOST_TEST(text.find("epoch 1/2 train_loss") != std::string::npos);
+  BOOST_TEST(text.find("val_accuracy") != std::string::npos);
+  BOOST_TEST(text.find("samples/s") != std::string::npos);
+  BOOST_TEST(text.find('\r') == std::string::npos);
+  std::ostringstream live;
+  loop.fit(1, {std::make_shared<tl::ProgressBar>(live, true, 0.0)});
+  BOOST_TEST(live.str().find("4/4 loss") != std::string::npos);  // redrawn in place with \r
+  BOOST_TEST(live.str().find('\r') != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(bad_input_gives_clear_errors) {
+  auto net = seeded_net(11);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto make = [&](tl::data::AnyDataset<> train, tl::TrainLoopOptions options) {
+    return tl::TrainLoop<Net>(net, std::move(train), {}, optimizer, torch::nn::CrossEntropyLoss(), options);
+  };
+  auto batch0 = error_of([&] { make(blobs(10, 1), tl::TrainLoopOptions().batch_size(0)); });
+  BOOST_TEST(batch0.find("batch size is 0; expected a positive number") != std::string::npos, batch0);
+
+  auto empty = error_of([&] { tl::data::TensorDataset(torch::zeros({0, 8}), torch::zeros({0}, torch::kLong)); });
+  BOOST_TEST(empty.find("empty") != std::string::npos, empty);
+
+  // Label 7 with a 3-class model, in a dataset built without num_classes: caught by the loop.
+  auto x = torch::randn({6, 8});
+  auto y = torch::tensor({0, 1, 2, 7, 1, 0}, torch::kLong);
+  auto labels = error_of([&] { make(tl::data::TensorDataset(x, y), tl::TrainLoopOptions().batch_size(6).shuffle(false)).fit(1); });
+  BOOST_TEST(labels.find("label 7") != std::string::npos, labels);
+  BOOST_TEST(labels.find("[0, 3)") != std::string::npos, labels);
+
+  auto wrong_shape = error_of([&] {
+    make(tl::data::TensorDataset(torch::randn({6, 5}), torch::zeros({6}, torch::kLong)), tl::TrainLoopOptions().batch_size(3)).fit(1);
+  });
+  BOOST_TEST(wrong_shape.find("forward() on an input batch of shape [3, 5]") != std::string::npos, wrong_shape);
+
+  auto missing = error_of([&] { tl::data::FashionMNIST(tl::data::FashionMNIST::Split::Train, "/nonexistent/fmnist"); });
+  BOOST_TEST(missing.find("/nonexistent/fmnist") != std::string::npos, missing);
+  BOOST_TEST(missing.find("dataset-fashion-mnist") != std::string::npos, missing);
+
+  auto epochs0 = error_of([&] { make(blobs(10, 1), {}).fit(0); });
+  BOOST_TEST(epochs0.find("expected a positive number") != std::string::npos, epochs0);
+}
+
+BOOST_AUTO_TEST_CASE(a_plain_module_type_works_through_a_shared_ptr) {
+  torch::manual_seed(12);
+  auto module = std::make_shared<NetImpl>();
+  torch::optim::SGD optimizer(module->parameters(), torch::optim::SGDOptions(0.5));
+  tl::TrainLoop<NetImpl> loop(module, blobs(128, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                              tl::TrainLoopOptions().batch_size(32));
+  auto history = loop.fit(5);
+  BOOST_TEST(history.last().train_loss < history.epochs.front().train_loss);
+}
