@@ -1,0 +1,83 @@
+// A rank program for test_launcher: what each rank does is chosen by TL_TEST_SCENARIO, files go
+// to TL_TEST_OUT_DIR (default: the run directory).
+//
+// It includes only the torch-free child side (rank_env.hpp, spawned_rank.hpp) and does not link
+// libtorch: a binary linked to libtorch takes about a second to start on the test machine, this
+// one a few milliseconds, which keeps the many launches in test_launcher fast.
+
+#include <trainloop/dist/rank_env.hpp>
+#include <trainloop/dist/spawned_rank.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unistd.h>
+
+namespace dist = trainloop::dist;
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string env_or(const char* name, const std::string& fallback = "") {
+  const char* value = std::getenv(name);
+  return value ? value : fallback;
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  fs::path temporary = path;
+  temporary += ".tmp";
+  { std::ofstream(temporary) << text; }
+  fs::rename(temporary, path);  // the test never sees half a file
+}
+
+void run_scenario(const dist::RankEnv& env) {
+  const std::string scenario = env_or("TL_TEST_SCENARIO");
+  const fs::path out = env_or("TL_TEST_OUT_DIR", env.run_dir);
+  write_file(out / ("pid" + std::to_string(env.rank)), std::to_string(::getpid()));
+  if (scenario == "succeed") {
+    std::ostringstream line;
+    line << env.rank << ' ' << env.world_size << ' ' << env.local_rank << ' '
+         << env.local_world_size << ' ' << env.node_rank << ' ' << env.master_port << ' '
+         << env_or("OMP_NUM_THREADS", "unset") << ' ' << env_or("TL_TEST_EXTRA", "unset");
+    write_file(out / ("rank" + std::to_string(env.rank) + ".txt"), line.str());
+    return;
+  }
+  if (scenario == "fail_rank1" && env.rank == 1) {
+    std::this_thread::sleep_for(200ms);
+    throw std::runtime_error("rank 1 exploded on purpose");
+  }
+  if (scenario == "sigkill_rank2" && env.rank == 2) {
+    std::this_thread::sleep_for(200ms);
+    ::kill(::getpid(), SIGKILL);
+  }
+  if (scenario == "ignore_term") {
+    if (env.rank == 1) {
+      std::signal(SIGTERM, SIG_IGN);
+      write_file(out / "ignoring", "1");
+    } else {  // fail only once rank 1 surely ignores SIGTERM
+      while (!fs::exists(out / "ignoring")) std::this_thread::sleep_for(5ms);
+      throw std::runtime_error("rank 0 fails while rank 1 ignores SIGTERM");
+    }
+  }
+  std::this_thread::sleep_for(60s);  // stands for a rank blocked in a collective
+}
+
+}  // namespace
+
+int main() {
+  auto env = dist::detect_rank_env();
+  if (!env || env->source != dist::RankEnvSource::Trainloop) {
+    std::fprintf(stderr, "launcher_child: expected to be started by trainloop::dist::Launcher\n");
+    return 2;
+  }
+  dist::die_with_parent();
+  return dist::run_reporting_failure(*env, [&] { run_scenario(*env); });
+}
