@@ -45,7 +45,8 @@ class TrainLoop {
   using model_handle = typename detail::ModelHandle<Model>::stored_type;
   /// The engine that implements GpuMode for this model.
   using engine_type = typename GpuMode::template engine<module_type>;
-  static_assert(ModeEngine<engine_type>, "trainloop: GpuMode's engine does not implement the mode interface");
+  static_assert(ModeEngine<engine_type> || requires(engine_type& e) { e.visit([](auto&) {}); },
+                "trainloop: GpuMode's engine does not implement the mode interface");
 
   /// @brief Builds the loop; nothing is moved or spawned until fit() or evaluate().
   /// @param model the model; it keeps the trained weights after fit()
@@ -74,16 +75,26 @@ class TrainLoop {
 
   /// @brief Trains for a number of epochs or an exact number of optimizer steps.
   History fit(const FitLength& length, const CallbackList& callbacks = {}) {
-    return runner().fit(engine(), length, callbacks);
+    return with_engine([&](auto& mode_engine) {
+      auto train = [&] { return runner().fit(mode_engine, length, callbacks); };
+      // A mode may wrap the loop: DDP launches ranks here, or ends a spawned rank afterwards.
+      if constexpr (requires { mode_engine.run_fit(optimizer_, train); }) {
+        return mode_engine.run_fit(optimizer_, train);
+      } else {
+        return train();
+      }
+    });
   }
 
   /// @brief Loss and the options' metrics over `dataset`, every sample counted once.
-  EvalResult evaluate(const data::AnyDataset<Batch>& dataset) { return runner().evaluate(engine(), dataset); }
+  EvalResult evaluate(const data::AnyDataset<Batch>& dataset) {
+    return with_engine([&](auto& mode_engine) { return runner().evaluate(mode_engine, dataset); });
+  }
 
   /// @brief The model's outputs for every sample of `dataset`, in dataset order, on the CPU.
   torch::Tensor predict(const data::AnyDataset<Batch>& dataset) {
     TRAINLOOP_CHECK(dataset.has_value() && dataset.size() > 0, "predict() needs a non-empty dataset");
-    auto& eng = engine();
+    const torch::Device device = with_engine([](auto& mode_engine) { return mode_engine.device(); });
     auto& module = handle_.module();
     const bool was_training = module.is_training();
     module.eval();
@@ -95,7 +106,7 @@ class TrainLoop {
     std::vector<torch::Tensor> outputs;
     torch::NoGradGuard no_grad;
     for (auto&& batch : loader) {
-      auto on_device = detail::batch_to_device(batch, eng.device());
+      auto on_device = detail::batch_to_device(batch, device);
       if constexpr (detail::HasCustomContract<module_type, Batch>) {
         outputs.push_back(module.batch_predictions(on_device).output.to(torch::kCPU));
       } else {
@@ -107,18 +118,29 @@ class TrainLoop {
   }
 
   /// @brief True on the process that should print and write files (rank 0; always true without DDP).
-  bool is_main() { return engine().is_main(); }
+  bool is_main() {
+    return with_engine([](auto& mode_engine) { return mode_engine.is_main(); });
+  }
   /// @brief Waits for every rank (nothing to wait for without DDP).
-  void barrier() { engine().barrier(); }
+  void barrier() {
+    with_engine([](auto& mode_engine) { mode_engine.barrier(); });
+  }
   /// @brief The model (holding the trained weights after fit()).
   const model_handle& model() const { return handle_.get(); }
   /// @brief The options the loop was built with.
   const TrainLoopOptions& options() const { return options_; }
 
  private:
-  engine_type& engine() {
+  /// Calls `f` with the concrete engine: directly for a compile-time mode, through one
+  /// dispatch for gpu_mode::Any.
+  template <class F>
+  decltype(auto) with_engine(F&& f) {
     if (!engine_) engine_.emplace(mode_, handle_.shared());
-    return *engine_;
+    if constexpr (ModeEngine<engine_type>) {
+      return f(*engine_);
+    } else {
+      return engine_->visit(std::forward<F>(f));
+    }
   }
   detail::FitRunner<module_type, Batch> runner() {
     return detail::FitRunner<module_type, Batch>(handle_.module(), train_, validation_, optimizer_, criterion_, options_);

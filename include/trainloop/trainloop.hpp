@@ -15,6 +15,10 @@
 #include <trainloop/data/fashion_mnist.hpp>
 #include <trainloop/data/tensor_dataset.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/dist/rank_session.hpp>
+#include <trainloop/gpu_mode/data_parallel.hpp>
+#include <trainloop/gpu_mode/distributed.hpp>
+#include <trainloop/gpu_mode/parse.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/metrics/accuracy.hpp>

@@ -3,6 +3,7 @@
 /// @brief AnyDataset<Batch>: a type-erased, shared handle to any libtorch dataset, so a TrainLoop
 /// accepts TensorDataset, FashionMNIST, a user's torch::data::Dataset or BatchDataset alike.
 
+#include <trainloop/data/batch_loader.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>
@@ -43,16 +44,11 @@ class AnyDataset {
     TRAINLOOP_CHECK(size.has_value(), "the dataset has no size; trainloop needs a sized (map-style) dataset");
     size_ = *size;
     get_batch_ = [dataset](c10::ArrayRef<size_t> indices) -> Batch {
-      using Produced = decltype(dataset->get_batch(indices));
-      if constexpr (std::is_same_v<Produced, std::vector<torch::data::Example<>>>) {
-        static_assert(std::is_same_v<Batch, torch::data::Example<>>,
-                      "trainloop: a dataset of torch::data::Example<> needs AnyDataset<torch::data::Example<>>");
-        return torch::data::transforms::Stack<torch::data::Example<>>().apply_batch(dataset->get_batch(indices));
-      } else {
-        static_assert(std::is_convertible_v<Produced, Batch>,
-                      "trainloop: the dataset's get_batch() returns a type that is not the TrainLoop's Batch type");
-        return dataset->get_batch(indices);
-      }
+      using Collate = trainloop::detail::BatchCollate<decltype(dataset->get_batch(indices))>;
+      static_assert(std::is_convertible_v<typename Collate::type, Batch>,
+                    "trainloop: the dataset's batches are not of the TrainLoop's Batch type (its third template "
+                    "argument, torch::data::Example<> by default)");
+      return Collate::apply(dataset->get_batch(indices));
     };
   }
 
