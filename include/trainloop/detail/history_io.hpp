@@ -1,0 +1,70 @@
+#pragma once
+/// @file
+/// @brief Writes and reads a History as text, so a spawned rank can hand it to the launcher.
+
+#include <trainloop/error.hpp>
+#include <trainloop/history.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <string>
+
+namespace trainloop::detail {
+
+/// One line per epoch: `key value` pairs separated by tabs; metric names never hold tabs.
+inline void write_history(const History& history, const std::filesystem::path& path) {
+  auto temporary = path;
+  temporary += ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    TRAINLOOP_CHECK(out.good(), "cannot write ", temporary.string());
+    out << std::setprecision(std::numeric_limits<double>::max_digits10);
+    out << "total_steps\t" << history.total_steps << "\tstop_reason\t" << history.stop_reason << '\n';
+    for (const auto& e : history.epochs) {
+      out << "epoch\t" << e.epoch << "\tsteps\t" << e.steps << "\tsamples\t" << e.samples << "\ttrain_loss\t"
+          << e.train_loss << "\tseconds\t" << e.seconds << "\tsamples_per_second\t" << e.samples_per_second;
+      for (const auto& [name, value] : e.train_metrics) out << "\ttrain:" << name << '\t' << value;
+      if (e.validation) {
+        out << "\tval_loss\t" << e.validation->loss << "\tval_samples\t" << e.validation->samples;
+        for (const auto& [name, value] : e.validation->metrics) out << "\tval:" << name << '\t' << value;
+      }
+      out << '\n';
+    }
+  }
+  std::filesystem::rename(temporary, path);
+}
+
+/// Reads what write_history() wrote.
+inline History read_history(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  TRAINLOOP_CHECK(in.good(), "cannot read the training history from ", path.string());
+  History history;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string key, value;
+    EpochRecord record;
+    bool is_epoch = false;
+    while (std::getline(fields, key, '\t') && std::getline(fields, value, '\t')) {
+      if (key == "total_steps") history.total_steps = std::stoll(value);
+      else if (key == "stop_reason") history.stop_reason = value;
+      else if (key == "epoch") { is_epoch = true; record.epoch = std::stoll(value); }
+      else if (key == "steps") record.steps = std::stoll(value);
+      else if (key == "samples") record.samples = std::stoll(value);
+      else if (key == "train_loss") record.train_loss = std::stod(value);
+      else if (key == "seconds") record.seconds = std::stod(value);
+      else if (key == "samples_per_second") record.samples_per_second = std::stod(value);
+      else if (key.rfind("train:", 0) == 0) record.train_metrics[key.substr(6)] = std::stod(value);
+      else if (key == "val_loss") { record.validation.emplace(); record.validation->loss = std::stod(value); }
+      else if (key == "val_samples") record.validation->samples = std::stoll(value);
+      else if (key.rfind("val:", 0) == 0) record.validation->metrics[key.substr(4)] = std::stod(value);
+    }
+    if (is_epoch) history.epochs.push_back(std::move(record));
+  }
+  return history;
+}
+
+}  // namespace trainloop::detail

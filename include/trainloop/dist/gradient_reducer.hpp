@@ -1,0 +1,395 @@
+#pragma once
+/// @file
+/// @brief trainloop::dist::GradientReducer: DDP's gradient averaging, overlapped with backward.
+///
+/// What torch's c10d::Reducer does, written on the public autograd API (DESIGN §4.1):
+///
+/// - Parameters are packed into flat buckets in *reverse* registration order (gradients of the
+///   last layers arrive first in backward), one bucket per dtype/device at a time; the first
+///   bucket is small (~1 MiB) so communication starts early, the rest ~25 MiB.
+/// - A post-hook on each parameter's gradient accumulator (the AccumulateGrad node) runs right
+///   after `param.grad` has been accumulated; it copies the gradient into its slot of the bucket,
+///   pre-multiplied by 1/world_size. (`Tensor::register_hook` would not do: it sees the incoming
+///   gradient *before* accumulation, so grad-accumulation steps would be lost.)
+/// - A bucket whose slots are all filled is all-reduced (SUM, asynchronously) while backward goes
+///   on — but strictly in bucket order: bucket k starts only after buckets 0..k-1, so every rank
+///   issues the same collectives in the same order even when gradients arrive in another order.
+/// - finalize(), after backward and before the optimizer step, fills the slots whose hook did not
+///   run (parameters unused this step: their current grad, or zeros), launches the remaining
+///   buckets, waits, and writes the averages back into every `param.grad`.
+///
+/// The reducer keeps the accumulator nodes alive (autograd holds them only weakly, and a new
+/// node would not carry our hook). Hooks hold the shared state weakly and the destructor removes
+/// them, so the module may outlive the reducer. Hooks may run on autograd worker threads (CUDA
+/// backward); all shared state is guarded by one mutex.
+
+#include <trainloop/detail/torch_compat.hpp>
+#include <trainloop/dist/process_group.hpp>
+#include <trainloop/error.hpp>
+
+#include <torch/torch.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace trainloop::dist {
+
+/// Bucket sizes and overlap mode of a GradientReducer.
+struct GradientReducerOptions {
+  /// Cap of the first bucket (the first to fill in backward): small, so communication starts early.
+  std::int64_t first_bucket_cap_bytes = std::int64_t{1} << 20;
+  /// Cap of every later bucket. A bucket closes once it reaches its cap, so a bucket may exceed
+  /// it by one parameter, and a parameter larger than the cap gets a bucket of its own.
+  std::int64_t bucket_cap_bytes = std::int64_t{25} << 20;
+  /// true: all-reduce buckets from the hooks, during backward. false: hooks are idle and
+  /// finalize() does one pass of bucket all-reduces after backward (the no-overlap baseline).
+  bool overlap = true;
+};
+
+namespace detail {
+
+/// Everything the hooks touch; shared between the reducer and its hooks, guarded by `mutex`.
+struct ReducerState {
+  struct Slot {
+    std::size_t bucket = 0;
+    std::int64_t offset = 0;
+    std::int64_t numel = 0;
+  };
+  struct Bucket {
+    std::vector<std::size_t> parameters;  // indices into `parameters`, in slot order
+    torch::Tensor flat;
+    std::size_t pending = 0;  // slots not yet filled this step
+    WorkHandle work;
+  };
+
+  std::mutex mutex;
+  bool alive = true;
+  bool sync = true;
+  bool overlap = true;
+  ProcessGroup group;
+  double scale = 1.0;  // 1 / world_size
+  std::vector<torch::Tensor> parameters;
+  std::vector<Slot> slots;
+  std::vector<Bucket> buckets;
+  std::vector<char> filled;  // per parameter, this step
+  std::size_t next_to_launch = 0;
+  std::vector<std::size_t> launch_order;       // this step
+  std::size_t launched_from_hooks = 0;         // this step
+  std::vector<std::size_t> last_launch_order;  // previous finalized step
+  std::size_t last_launched_from_hooks = 0;
+  std::int64_t allreduce_count = 0;
+
+  /// Called by a hook once parameter `index`'s grad has been accumulated.
+  void on_gradient_ready(std::size_t index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!alive || !sync || !overlap) return;
+    TRAINLOOP_CHECK(!filled[index], "the gradient of parameter #", index,
+                    " became ready twice in one step; expected one backward per finalize() "
+                    "(use no_sync() to accumulate over several backward passes)");
+    fill_slot(index);
+    launch_ready_buckets(/*from_hook=*/true);
+  }
+
+  /// Copies param.grad (zeros when undefined) into its slot, scaled by 1/world. Caller holds the lock.
+  void fill_slot(std::size_t index) {
+    torch::NoGradGuard no_grad;
+    const Slot& slot = slots[index];
+    torch::Tensor view = buckets[slot.bucket].flat.narrow(0, slot.offset, slot.numel);
+    const torch::Tensor& grad = parameters[index].grad();
+    if (grad.defined()) {
+      TRAINLOOP_CHECK(!grad.is_sparse(), "parameter #", index, " has a sparse gradient; expected dense gradients");
+      view.copy_(grad.reshape({-1}));
+      view.mul_(scale);
+    } else {
+      view.zero_();
+    }
+    filled[index] = 1;
+    --buckets[slot.bucket].pending;
+  }
+
+  /// Launches every full bucket that is next in bucket order. Caller holds the lock.
+  void launch_ready_buckets(bool from_hook) {
+    while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
+      Bucket& bucket = buckets[next_to_launch];
+      bucket.work = group.all_reduce_sum_async(bucket.flat);
+      launch_order.push_back(next_to_launch);
+      launched_from_hooks += from_hook ? 1 : 0;
+      ++allreduce_count;
+      ++next_to_launch;
+    }
+  }
+
+  /// Forgets this step's progress. Caller holds the lock.
+  void reset_step() {
+    std::fill(filled.begin(), filled.end(), 0);
+    for (Bucket& bucket : buckets) {
+      bucket.pending = bucket.parameters.size();
+      bucket.work.reset();
+    }
+    next_to_launch = 0;
+    last_launch_order = std::move(launch_order);
+    launch_order.clear();
+    last_launched_from_hooks = launched_from_hooks;
+    launched_from_hooks = 0;
+  }
+
+  bool step_in_progress() const { return std::find(filled.begin(), filled.end(), 1) != filled.end(); }
+};
+
+/// The post-hook attached to one parameter's gradient accumulator.
+class GradientReadyHook final : public ::trainloop::detail::AutogradPostHook {
+ public:
+  GradientReadyHook(std::weak_ptr<ReducerState> state, std::size_t index) : state_(std::move(state)), index_(index) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto state = state_.lock()) state->on_gradient_ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ReducerState> state_;
+  std::size_t index_;
+};
+
+}  // namespace detail
+
+/// Averages gradients across the ranks of a ProcessGroup with bucketed, ordered, asynchronous
+/// all-reduces launched from autograd hooks (see the file comment). Per step:
+/// `loss.backward(); reducer.finalize(); optimizer.step();`.
+class GradientReducer {
+ public:
+  /// Attaches hooks to `parameters` that require grad (others are ignored; duplicates — tied
+  /// weights — count once) and forms the buckets. Every rank must pass the same parameters in
+  /// the same order. @throws trainloop::Error if a parameter is not a leaf or caps are not positive.
+  GradientReducer(const std::vector<torch::Tensor>& parameters, ProcessGroup group,
+                  GradientReducerOptions options = {})
+      : state_(std::make_shared<detail::ReducerState>()) {
+    TRAINLOOP_CHECK(options.first_bucket_cap_bytes > 0 && options.bucket_cap_bytes > 0, "bucket caps are ",
+                    options.first_bucket_cap_bytes, " and ", options.bucket_cap_bytes, " bytes; expected > 0");
+    TRAINLOOP_CHECK(group.valid(), "GradientReducer needs a ProcessGroup made by ProcessGroup::create()");
+    state_->group = std::move(group);
+    state_->overlap = options.overlap;
+    state_->scale = 1.0 / state_->group.world_size();
+    std::unordered_set<const void*> seen;
+    for (const auto& parameter : parameters) {
+      if (parameter.requires_grad() && seen.insert(parameter.unsafeGetTensorImpl()).second) {
+        TRAINLOOP_CHECK(parameter.is_leaf(), "parameter #", state_->parameters.size(),
+                        " is not a leaf tensor; expected module parameters");
+        state_->parameters.push_back(parameter);
+      }
+    }
+    form_buckets(options);
+    attach_hooks();
+  }
+
+  /// Same, for all parameters of `module` that require grad.
+  GradientReducer(const torch::nn::Module& module, ProcessGroup group, GradientReducerOptions options = {})
+      : GradientReducer(module.parameters(/*recurse=*/true), std::move(group), options) {}
+
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  /// Removes the hooks; the parameters' gradient accumulators are left as they were before.
+  ~GradientReducer() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->alive = false;
+    }
+    for (std::size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+
+  /// Completes this step's reduction: fills slots of parameters whose hook did not run (their
+  /// current grad, zeros if undefined), launches the remaining buckets in order, waits for all,
+  /// and writes the average into each param.grad (creating it where undefined), so every rank
+  /// ends with identical gradients. Call after backward, before the optimizer step, on every rank.
+  /// Does nothing while sync is disabled (gradients keep accumulating locally).
+  void finalize() {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    if (!state_->sync) return;
+    try {
+      for (std::size_t i = 0; i < state_->parameters.size(); ++i) {
+        if (!state_->filled[i]) state_->fill_slot(i);
+      }
+      state_->launch_ready_buckets(/*from_hook=*/false);
+      std::vector<WorkHandle> works;
+      for (const auto& bucket : state_->buckets) works.push_back(bucket.work);
+      lock.unlock();  // waiting needs no state; don't block other threads on the mutex meanwhile
+      for (const auto& work : works) state_->group.wait(work, "gradient all-reduce");
+      lock.lock();
+      copy_results_to_grads();
+      state_->reset_step();
+    } catch (...) {
+      if (!lock.owns_lock()) lock.lock();
+      state_->reset_step();  // a failed step must not poison the next one
+      throw;
+    }
+  }
+
+  /// Enables or disables reduction. Disabled: hooks do nothing and finalize() is a no-op, so
+  /// gradients accumulate locally (gradient-accumulation micro-steps); the next step with sync
+  /// enabled reduces the accumulated gradients.
+  /// @throws trainloop::Error when called between a synced backward and its finalize().
+  void set_sync(bool enabled) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TRAINLOOP_CHECK(enabled == state_->sync || !state_->step_in_progress(),
+                    "set_sync(", enabled ? "true" : "false",
+                    ") called between backward and finalize(); expected it before backward or after finalize()");
+    state_->sync = enabled;
+  }
+
+  /// Whether reduction is enabled.
+  bool sync_enabled() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->sync;
+  }
+
+  /// RAII scope with reduction disabled (like DDP's `no_sync()`); restores the previous setting.
+  class NoSyncGuard {
+   public:
+    /// Disables reduction on `reducer` until this guard is destroyed.
+    explicit NoSyncGuard(GradientReducer& reducer) : reducer_(reducer), previous_(reducer.sync_enabled()) {
+      reducer_.set_sync(false);
+    }
+    /// Restores the setting found at construction.
+    ~NoSyncGuard() {
+      std::lock_guard<std::mutex> lock(reducer_.state_->mutex);
+      reducer_.state_->sync = previous_;  // sync was off, so no step can be in progress
+    }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    GradientReducer& reducer_;
+    bool previous_;
+  };
+
+  /// `auto guard = reducer.no_sync();` — reduction disabled until `guard` goes out of scope.
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// Number of bucket all-reduces launched since construction.
+  std::int64_t allreduce_count() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->allreduce_count;
+  }
+
+  /// Number of buckets.
+  std::size_t bucket_count() const { return state_->buckets.size(); }
+
+  /// For each bucket, in bucket (launch) order, the indices into parameters() it holds.
+  std::vector<std::vector<std::size_t>> bucket_assignment() const {
+    std::vector<std::vector<std::size_t>> assignment;
+    for (const auto& bucket : state_->buckets) assignment.push_back(bucket.parameters);
+    return assignment;
+  }
+
+  /// The parameters being reduced (those requiring grad, deduplicated), in the given order.
+  const std::vector<torch::Tensor>& parameters() const { return state_->parameters; }
+
+  /// Bucket indices in the order they were launched in the last finalized synced step.
+  std::vector<std::size_t> last_launch_order() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->last_launch_order;
+  }
+
+  /// How many buckets of the last finalized synced step were launched from hooks, i.e. during
+  /// backward (0 with overlap=false).
+  std::size_t last_launched_during_backward() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->last_launched_from_hooks;
+  }
+
+ private:
+  /// Buckets in reverse parameter order, one open bucket per dtype/device; a bucket closes when
+  /// it reaches its cap (first cap for the first bucket of its dtype/device, then the regular
+  /// cap). Buckets are ordered by their first parameter's position in reverse order, i.e. by
+  /// when they are expected to fill — the same order on every rank.
+  void form_buckets(const GradientReducerOptions& options) {
+    struct Open {
+      c10::ScalarType dtype;
+      c10::Device device;
+      std::vector<std::size_t> parameters;
+      std::int64_t bytes = 0;
+      std::int64_t closed_before = 0;  // how many buckets of this dtype/device were closed already
+    };
+    std::vector<Open> open;
+    std::vector<std::vector<std::size_t>> closed;
+    auto& parameters = state_->parameters;
+    for (std::size_t k = parameters.size(); k-- > 0;) {
+      const torch::Tensor& p = parameters[k];
+      auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) {
+        return o.dtype == p.scalar_type() && o.device == p.device();
+      });
+      if (it == open.end()) it = open.insert(open.end(), Open{p.scalar_type(), p.device(), {}, 0, 0});
+      it->parameters.push_back(k);
+      it->bytes += p.numel() * static_cast<std::int64_t>(p.element_size());
+      const std::int64_t cap = it->closed_before == 0 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
+      if (it->bytes >= cap) {
+        closed.push_back(std::move(it->parameters));
+        it->parameters.clear();
+        it->bytes = 0;
+        ++it->closed_before;
+      }
+    }
+    for (auto& o : open) {
+      if (!o.parameters.empty()) closed.push_back(std::move(o.parameters));
+    }
+    // Position in reverse order of a bucket's first parameter = parameters.size() - 1 - index.
+    std::stable_sort(closed.begin(), closed.end(), [](const auto& a, const auto& b) { return a.front() > b.front(); });
+
+    state_->slots.resize(parameters.size());
+    state_->filled.assign(parameters.size(), 0);
+    for (auto& members : closed) {
+      detail::ReducerState::Bucket bucket;
+      std::int64_t numel = 0;
+      for (std::size_t index : members) {
+        state_->slots[index] = {state_->buckets.size(), numel, parameters[index].numel()};
+        numel += parameters[index].numel();
+      }
+      const torch::Tensor& first = parameters[members.front()];
+      bucket.flat = torch::zeros({numel}, first.options().requires_grad(false));
+      bucket.pending = members.size();
+      bucket.parameters = std::move(members);
+      state_->buckets.push_back(std::move(bucket));
+    }
+  }
+
+  void attach_hooks() {
+    for (std::size_t i = 0; i < state_->parameters.size(); ++i) {
+      std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(state_->parameters[i]);
+      TRAINLOOP_CHECK(accumulator, "parameter #", i, " has no gradient accumulator; expected a leaf that requires grad");
+      hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<detail::GradientReadyHook>(state_, i)));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+
+  /// Writes each bucket's averaged values back into param.grad. Caller holds the lock.
+  void copy_results_to_grads() {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < state_->parameters.size(); ++i) {
+      const auto& slot = state_->slots[i];
+      torch::Tensor& parameter = state_->parameters[i];
+      torch::Tensor result = state_->buckets[slot.bucket].flat.narrow(0, slot.offset, slot.numel).view(parameter.sizes());
+      torch::Tensor& grad = parameter.mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(result);
+      } else {
+        grad = torch::empty_like(parameter).copy_(result);  // same layout as AccumulateGrad would make
+      }
+    }
+  }
+
+  std::shared_ptr<detail::ReducerState> state_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+};
+
+}  // namespace trainloop::dist

@@ -1,0 +1,447 @@
+#pragma once
+/// @file
+/// @brief trainloop::dist::ProcessGroup: rendezvous through a TCPStore, a Gloo or NCCL backend,
+/// and the handful of collectives the loop needs (sum, max, broadcast, gather, barrier).
+///
+/// We hold the backend object (ProcessGroupGloo / ProcessGroupNCCL) directly and call its
+/// collectives: that works unchanged in libtorch 1.13, where backends *are* c10d::ProcessGroups,
+/// and in 2.x, where they are c10d::Backends behind a dispatching wrapper we do not need (see the
+/// c10d section of detail/torch_compat.hpp).
+///
+/// Every collective must be called in the same order with the same shapes on every rank; calls
+/// from several threads of one rank must be serialised by the caller.
+
+#include <trainloop/detail/torch_compat.hpp>
+#include <trainloop/dist/free_port.hpp>
+#include <trainloop/error.hpp>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace trainloop::dist {
+
+/// Which communication library carries the collectives.
+enum class Backend {
+  Auto,  ///< NCCL when the group's device is CUDA, Gloo otherwise
+  Gloo,  ///< CPU tensors (tensors on other devices are staged through host memory)
+  Nccl   ///< CUDA tensors; only with a libtorch compiled with NCCL (USE_C10D_NCCL)
+};
+
+/// "auto", "gloo" or "nccl".
+inline const char* to_string(Backend backend) {
+  switch (backend) {
+    case Backend::Gloo: return "gloo";
+    case Backend::Nccl: return "nccl";
+    default: return "auto";
+  }
+}
+
+/// How to build a process group: who we are, where rank 0's store listens, which backend.
+/// An aggregate, so `ProcessGroupOptions{.rank = 1, .world_size = 2, .master_port = p}` works.
+struct ProcessGroupOptions {
+  int rank = 0;                            ///< this process's rank, in [0, world_size)
+  int world_size = 1;                      ///< number of ranks
+  std::string master_addr = "127.0.0.1";   ///< host of the TCPStore server
+  int master_port = 29500;                 ///< port of the TCPStore server, in [1, 65535]
+  /// Whether this rank hosts the TCPStore server. Unset: rank 0 does. Set false on every rank
+  /// when somebody else already hosts it (torchrun with TORCHELASTIC_USE_AGENT_STORE=True).
+  std::optional<bool> is_store_server;
+  Backend backend = Backend::Auto;         ///< resolved with `device` when Auto
+  torch::Device device = torch::kCPU;      ///< this rank's compute device (cuda:LOCAL_RANK for NCCL)
+  /// Limit for connecting to the store, the rendezvous, and each collective. Short in tests.
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  /// Key prefix in the store, so our keys never collide with those of an agent's store.
+  std::string store_prefix = "trainloop/default_pg";
+};
+
+/// Handle of an asynchronous collective; `ProcessGroup::wait(handle)` blocks until it is done.
+using WorkHandle = ::trainloop::detail::WorkHandle;
+
+/// A group of ranks that run collectives together. A small value class: copies share the same
+/// underlying store and backend, which live as long as the last copy.
+class ProcessGroup {
+ public:
+  /// An empty group; every collective on it throws. Assign the result of create() to it.
+  ProcessGroup() = default;
+
+  /// Connects to (or, on the store server, starts) the TCPStore at master_addr:master_port, then
+  /// runs the backend's rendezvous with the other ranks. Blocks until all ranks have joined.
+  /// @throws trainloop::Error naming master addr:port and the timeout when the store cannot be
+  ///         reached in time, naming the port when the server cannot listen on it (in use), and
+  ///         naming the backend when it is unavailable or its rendezvous fails.
+  static ProcessGroup create(const ProcessGroupOptions& options) {
+    validate(options);
+    ProcessGroup group;
+    group.rank_ = options.rank;
+    group.world_size_ = options.world_size;
+    group.device_ = options.device;
+    group.timeout_ = options.timeout;
+    group.backend_kind_ = resolve_backend(options);
+    group.store_ = c10::make_intrusive<::c10d::PrefixStore>(options.store_prefix, connect_store(options));
+    group.backend_ = group.backend_kind_ == Backend::Nccl ? make_nccl(options, group.store_)
+                                                          : make_gloo(options, group.store_);
+    return group;
+  }
+
+  /// This process's rank.
+  int rank() const { return rank_; }
+  /// Number of ranks in the group.
+  int world_size() const { return world_size_; }
+  /// The backend in use (never Auto).
+  Backend backend() const { return backend_kind_; }
+  /// Where collectives run: CPU for Gloo, the CUDA device for NCCL.
+  torch::Device communication_device() const {
+    return backend_kind_ == Backend::Nccl ? device_ : torch::Device(torch::kCPU);
+  }
+  /// True once create() has filled this group.
+  bool valid() const { return static_cast<bool>(backend_); }
+  /// The libtorch backend object, for collectives we do not wrap.
+  const c10::intrusive_ptr<::trainloop::detail::CollectiveBackend>& native() const { return backend_; }
+  /// The (prefixed) store, e.g. for small key/value exchanges.
+  const c10::intrusive_ptr<::c10d::Store>& store() const { return store_; }
+
+  /// Sums `tensor` over all ranks, in place. Any device, layout or dtype the backend supports;
+  /// non-contiguous or off-device tensors are staged through a temporary.
+  void all_reduce_sum(const torch::Tensor& tensor) { all_reduce(tensor, ::c10d::ReduceOp::SUM, "all_reduce_sum"); }
+
+  /// Sums each tensor over all ranks, in place; tensors of one dtype and device travel as one
+  /// flat buffer (one collective per dtype/device group, not one per tensor).
+  void all_reduce_sum(const std::vector<torch::Tensor>& tensors) {
+    for_each_flat_group(tensors, [&](const torch::Tensor& flat) {
+      std::vector<torch::Tensor> list{flat};
+      return native_checked()->allreduce(list, allreduce_options(::c10d::ReduceOp::SUM));
+    }, "all_reduce_sum");
+  }
+
+  /// Starts summing `tensor` over all ranks in place and returns at once; pass the handle to
+  /// wait() before reading `tensor`. The tensor must be contiguous and on communication_device()
+  /// (nothing can be copied back for it later).
+  WorkHandle all_reduce_sum_async(const torch::Tensor& tensor) {
+    TRAINLOOP_CHECK(tensor.is_contiguous() && tensor.device() == communication_device(),
+                    "all_reduce_sum_async needs a contiguous tensor on ", communication_device(),
+                    "; got one on ", tensor.device(), tensor.is_contiguous() ? "" : " (non-contiguous)");
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> list{tensor};
+    return native_checked()->allreduce(list, allreduce_options(::c10d::ReduceOp::SUM));
+  }
+
+  /// Element-wise maximum over all ranks, in place (e.g. "any rank wants to stop" flags).
+  void all_reduce_max(const torch::Tensor& tensor) { all_reduce(tensor, ::c10d::ReduceOp::MAX, "all_reduce_max"); }
+
+  /// Copies `root`'s values of each tensor into every rank's tensors (one flat buffer per
+  /// dtype/device group). Shapes must already agree across ranks.
+  void broadcast(const std::vector<torch::Tensor>& tensors, int root = 0) {
+    check_root(root);
+    for_each_flat_group(tensors, [&](const torch::Tensor& flat) {
+      std::vector<torch::Tensor> list{flat};
+      ::c10d::BroadcastOptions options;
+      options.rootRank = root;
+      options.timeout = timeout_;
+      return native_checked()->broadcast(list, options);
+    }, "broadcast");
+  }
+
+  /// Single-tensor broadcast from `root`.
+  void broadcast(const torch::Tensor& tensor, int root = 0) { broadcast(std::vector<torch::Tensor>{tensor}, root); }
+
+  /// Gathers every rank's `tensor` (same shape and dtype on all ranks — keep it small and
+  /// fixed-size, e.g. an int64 fingerprint) into a new tensor of shape [world_size, *shape] on
+  /// `tensor`'s device; row r holds rank r's values.
+  torch::Tensor all_gather(const torch::Tensor& tensor) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor input = staged(tensor);
+    std::vector<std::vector<torch::Tensor>> outputs(1);
+    for (int r = 0; r < world_size_; ++r) outputs[0].push_back(torch::empty_like(input));
+    std::vector<torch::Tensor> inputs{input};
+    ::c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    wait(native_checked()->allgather(outputs, inputs, options), "all_gather");
+    return torch::stack(outputs[0]).to(tensor.device());
+  }
+
+  /// Blocks until every rank has reached the barrier.
+  void barrier() {
+    ::c10d::BarrierOptions options;
+    options.timeout = timeout_;
+    if (backend_kind_ == Backend::Nccl && device_.has_index()) options.device_ids = {device_.index()};
+    wait(native_checked()->barrier(options), "barrier");
+  }
+
+  /// Waits for an asynchronous collective; a failure (peer died, timeout) becomes a
+  /// trainloop::Error naming `what`, this rank and the timeout.
+  void wait(const WorkHandle& work, const char* what = "collective") const {
+    try {
+      work->wait();
+    } catch (const std::exception& error) {
+      throw Error(::trainloop::detail::concat(
+          "trainloop: ", what, " failed on rank ", rank_, " of ", world_size_, " (", to_string(backend_kind_),
+          ", timeout ", timeout_.count(), " ms; did another rank fail or call a different collective?): ",
+          error.what()));
+    }
+  }
+
+ private:
+  static void validate(const ProcessGroupOptions& o) {
+    TRAINLOOP_CHECK(o.world_size >= 1, "world_size is ", o.world_size, "; expected >= 1");
+    TRAINLOOP_CHECK(o.rank >= 0 && o.rank < o.world_size, "rank is ", o.rank, "; expected 0 <= rank < world_size (",
+                    o.world_size, ")");
+    TRAINLOOP_CHECK(o.master_port >= 1 && o.master_port <= 65535, "master_port is ", o.master_port,
+                    "; expected 1..65535 (pick a free one with find_free_port())");
+    TRAINLOOP_CHECK(!o.master_addr.empty(), "master_addr is empty; expected the host of rank 0");
+    TRAINLOOP_CHECK(o.timeout.count() > 0, "timeout is ", o.timeout.count(), " ms; expected > 0");
+  }
+
+  static Backend resolve_backend(const ProcessGroupOptions& o) {
+    Backend backend = o.backend;
+    if (backend == Backend::Auto) backend = o.device.is_cuda() ? Backend::Nccl : Backend::Gloo;
+#ifndef USE_C10D_NCCL
+    TRAINLOOP_CHECK(backend != Backend::Nccl, "backend nccl requested (device ", o.device,
+                    ") but this libtorch was built without NCCL (USE_C10D_NCCL undefined); expected "
+                    "backend gloo with a CPU device, or a CUDA libtorch");
+#endif
+    TRAINLOOP_CHECK(backend != Backend::Nccl || o.device.is_cuda(), "backend nccl needs a CUDA device; got ",
+                    o.device, "; expected cuda:<local rank>, or backend gloo");
+    return backend;
+  }
+
+  static c10::intrusive_ptr<::c10d::Store> connect_store(const ProcessGroupOptions& o) {
+    const bool is_server = o.is_store_server.value_or(o.rank == 0);
+    ::c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(o.master_port);
+    store_options.isServer = is_server;
+    store_options.timeout = o.timeout;
+    // numWorkers stays unset: the backend's rendezvous already waits for every rank, with
+    // the same timeout, and an unset count keeps clients of an agent's store from touching it.
+    //
+    // Clients retry until the deadline in attempts of exactly 1 s. Why: libtorch 1.13 truncates
+    // the store's connect timeout to whole seconds (a 999 ms attempt gives up before connecting),
+    // and on a refused connection it either sleeps a 1 s back-off or, when less than that
+    // remains, gives up at once. So one attempt of 1 s = one connect; we pause briefly and retry,
+    // and a rank that starts a moment before rank 0's server still joins at once.
+    const auto deadline = std::chrono::steady_clock::now() + o.timeout;
+    while (true) {
+      store_options.timeout = is_server ? std::max(o.timeout, kConnectAttemptTimeout) : kConnectAttemptTimeout;
+      if (!is_server && !accepts_connections(o.master_addr, o.master_port) &&
+          std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(kConnectRetryPause);  // rank 0 is not listening yet: wait quietly
+        continue;
+      }
+      try {
+        auto store = c10::make_intrusive<::c10d::TCPStore>(o.master_addr, store_options);
+        store->setTimeout(o.timeout);  // later gets and waits get the full timeout
+        return store;
+      } catch (const std::exception& error) {
+        if (is_server) throw server_error(o, error);
+        if (std::chrono::steady_clock::now() >= deadline) throw client_error(o, error);
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+          kConnectRetryPause, deadline - std::chrono::steady_clock::now()));
+    }
+  }
+
+  static constexpr std::chrono::milliseconds kConnectRetryPause{100};
+  static constexpr std::chrono::milliseconds kConnectAttemptTimeout{1000};
+
+  static Error server_error(const ProcessGroupOptions& o, const std::exception& error) {
+    const std::string what = error.what();
+    const bool in_use = what.find("in use") != std::string::npos;
+    return Error(::trainloop::detail::concat(
+        "trainloop: rank ", o.rank, " cannot start the rendezvous store (TCPStore server) on port ", o.master_port,
+        in_use ? ": the port is already in use (another job, or a leftover process?); pass another master port, "
+                 "or 0 to the launcher to pick a free one"
+               : "",
+        ". Details: ", what));
+  }
+
+  static Error client_error(const ProcessGroupOptions& o, const std::exception& error) {
+    return Error(::trainloop::detail::concat(
+        "trainloop: rank ", o.rank, " could not connect to the rendezvous store at ", o.master_addr, ":",
+        o.master_port, " within the timeout of ", o.timeout.count(),
+        " ms; expected rank 0 (or the agent) to listen there: check MASTER_ADDR/MASTER_PORT and that rank 0 "
+        "started. Details: ",
+        error.what()));
+  }
+
+  /// Gloo refuses to start without a transport device ("No device(s) specified"). Like
+  /// torch.distributed: GLOO_SOCKET_IFNAME (comma-separated interfaces) wins; otherwise bind to
+  /// the interface of master_addr when it is one of ours (one machine, or rank 0's machine),
+  /// else to the address this host's name resolves to (createDefaultDevice, loopback fallback).
+  static std::vector<std::shared_ptr<::gloo::transport::Device>> make_gloo_devices(const ProcessGroupOptions& o) {
+    using Gloo = ::c10d::ProcessGroupGloo;
+    std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+    if (const char* interfaces = std::getenv("GLOO_SOCKET_IFNAME"); interfaces != nullptr && *interfaces != '\0') {
+      std::stringstream list(interfaces);
+      for (std::string name; std::getline(list, name, ',');) {
+        try {
+          devices.push_back(Gloo::createDeviceForInterface(name));
+        } catch (const std::exception& error) {
+          throw Error(::trainloop::detail::concat("trainloop: GLOO_SOCKET_IFNAME names interface '", name,
+                                                  "' that Gloo cannot use; expected an interface of this host "
+                                                  "(see `ip addr`). Details: ", error.what()));
+        }
+      }
+      return devices;
+    }
+    try {
+      devices.push_back(Gloo::createDeviceForHostname(o.master_addr));
+      return devices;
+    } catch (const std::exception&) {
+      // master_addr is not an address of this machine: fall through to the host's own address.
+    }
+    try {
+      devices.push_back(Gloo::createDefaultDevice());
+    } catch (const std::exception& error) {
+      throw Error(::trainloop::detail::concat(
+          "trainloop: Gloo found no network device for rank ", o.rank, " (neither master_addr '", o.master_addr,
+          "' nor this host's name resolve to a local address); set GLOO_SOCKET_IFNAME to the interface "
+          "to use. Details: ", error.what()));
+    }
+    return devices;
+  }
+
+  static c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> make_gloo(
+      const ProcessGroupOptions& o, const c10::intrusive_ptr<::c10d::Store>& store) {
+    auto options = ::c10d::ProcessGroupGloo::Options::create(o.timeout);
+    options->devices = make_gloo_devices(o);
+    try {
+      return c10::make_intrusive<::c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
+    } catch (const std::exception& error) {
+      throw rendezvous_error(o, "gloo", error);
+    }
+  }
+
+  static c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> make_nccl(
+      [[maybe_unused]] const ProcessGroupOptions& o, [[maybe_unused]] const c10::intrusive_ptr<::c10d::Store>& store) {
+#ifdef USE_C10D_NCCL
+    auto options = ::c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = o.timeout;
+    try {
+      return c10::make_intrusive<::c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
+    } catch (const std::exception& error) {
+      throw rendezvous_error(o, "nccl", error);
+    }
+#else
+    throw Error("trainloop: NCCL is not compiled into this libtorch");  // resolve_backend() said so already
+#endif
+  }
+
+  static Error rendezvous_error(const ProcessGroupOptions& o, const char* backend, const std::exception& error) {
+    return Error(::trainloop::detail::concat(
+        "trainloop: the ", backend, " rendezvous of rank ", o.rank, " with ", o.world_size, " ranks through ",
+        o.master_addr, ":", o.master_port, " failed (timeout ", o.timeout.count(),
+        " ms); expected every rank to start with the same world size and master. Details: ", error.what()));
+  }
+
+  const c10::intrusive_ptr<::trainloop::detail::CollectiveBackend>& native_checked() const {
+    TRAINLOOP_CHECK(backend_, "collective on an empty ProcessGroup; expected one made by ProcessGroup::create()");
+    return backend_;
+  }
+
+  void check_root(int root) const {
+    TRAINLOOP_CHECK(root >= 0 && root < world_size_, "broadcast root is ", root, "; expected 0 <= root < ",
+                    world_size_);
+  }
+
+  ::c10d::AllreduceOptions allreduce_options(::c10d::ReduceOp op) const {
+    ::c10d::AllreduceOptions options;
+    options.reduceOp = op;
+    options.timeout = timeout_;
+    return options;
+  }
+
+  /// `tensor` itself when the backend can work on it in place, else a contiguous copy on the
+  /// communication device (the caller copies results back).
+  torch::Tensor staged(const torch::Tensor& tensor) const {
+    if (tensor.is_contiguous() && tensor.device() == communication_device()) return tensor;
+    return tensor.to(communication_device()).contiguous();
+  }
+
+  void all_reduce(const torch::Tensor& tensor, ::c10d::ReduceOp op, const char* what) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor work_tensor = staged(tensor);
+    std::vector<torch::Tensor> list{work_tensor};
+    wait(native_checked()->allreduce(list, allreduce_options(op)), what);
+    if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
+  }
+
+  /// Tensors of at least this many bytes get a collective of their own, run in place: for
+  /// them, copying into and out of a flat buffer costs more than the extra collective saves
+  /// (measured with Gloo on 2 thread-ranks: 62 × 0.7 MB broadcast 150 ms alone vs 255 ms flat;
+  /// 200 × 2 KB: 58 ms alone vs 1.4 ms flat).
+  static constexpr std::int64_t kOwnCollectiveBytes = std::int64_t{256} << 10;
+
+  /// Runs `launch` on every tensor of at least kOwnCollectiveBytes (in place when it is
+  /// contiguous on the communication device) and on one flat buffer per (dtype, device) group of
+  /// the smaller ones, waits for all, and copies results back. The split depends only on sizes
+  /// and dtypes, so ranks with equal shapes issue identical collectives in identical order.
+  template <class Launch>
+  void for_each_flat_group(const std::vector<torch::Tensor>& tensors, Launch&& launch, const char* what) {
+    torch::NoGradGuard no_grad;
+    std::vector<std::vector<std::size_t>> groups;  // each: tensor indices sharing one collective
+    std::map<std::pair<int, std::string>, std::size_t> group_of_key;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      TRAINLOOP_CHECK(tensors[i].defined(), what, ": tensor ", i, " is undefined; expected defined tensors");
+      if (tensors[i].numel() * static_cast<std::int64_t>(tensors[i].element_size()) >= kOwnCollectiveBytes) {
+        groups.push_back({i});
+        continue;
+      }
+      auto key = std::make_pair(static_cast<int>(tensors[i].scalar_type()), tensors[i].device().str());
+      auto [it, inserted] = group_of_key.emplace(key, groups.size());
+      if (inserted) groups.emplace_back();
+      groups[it->second].push_back(i);
+    }
+    std::vector<torch::Tensor> buffers;
+    std::vector<WorkHandle> works;
+    std::vector<char> in_place(groups.size(), 0);
+    for (const auto& group : groups) {
+      if (group.size() == 1) {
+        torch::Tensor buffer = staged(tensors[group[0]]);
+        in_place[buffers.size()] = buffer.is_same(tensors[group[0]]);
+        buffers.push_back(buffer.view({-1}));
+      } else {
+        std::vector<torch::Tensor> pieces;
+        for (std::size_t i : group) pieces.push_back(tensors[i].reshape({-1}).to(communication_device()));
+        buffers.push_back(torch::cat(pieces));
+      }
+      works.push_back(launch(buffers.back()));
+    }
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      wait(works[g], what);
+      if (in_place[g]) continue;
+      std::int64_t offset = 0;
+      for (std::size_t i : groups[g]) {
+        const torch::Tensor& target = tensors[i];
+        target.copy_(buffers[g].narrow(0, offset, target.numel()).view(target.sizes()));
+        offset += target.numel();
+      }
+    }
+  }
+
+  int rank_ = 0;
+  int world_size_ = 0;
+  Backend backend_kind_ = Backend::Gloo;
+  torch::Device device_ = torch::kCPU;
+  std::chrono::milliseconds timeout_{0};
+  c10::intrusive_ptr<::c10d::Store> store_;
+  c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> backend_;
+};
+
+}  // namespace trainloop::dist

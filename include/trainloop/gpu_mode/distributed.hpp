@@ -1,0 +1,300 @@
+#pragma once
+/// @file
+/// @brief gpu_mode::DistributedDataParallel: one process per device or machine, gradients
+/// all-reduced in buckets during backward.
+///
+/// How a run goes (DESIGN §4.1-4.2):
+/// - In a plain process, fit() becomes the launcher: it saves the model and optimizer, re-executes
+///   this program once per local rank (dist::Launcher), waits, and loads the trained state back,
+///   so the caller's model is trained when fit() returns. If a rank fails, the others are killed
+///   and fit() throws naming the rank and its error.
+/// - In a rank (spawned by us, or started by torchrun, Slurm `srun` or Open MPI `mpirun`), fit()
+///   joins the process group, broadcasts rank 0's parameters and buffers, trains its shard of the
+///   data with a GradientReducer, and returns on every rank. A rank we spawned ends its process
+///   when its fit() is done: the program after fit() runs once, in the launching process.
+
+#include <trainloop/dist/gradient_reducer.hpp>
+#include <trainloop/dist/launcher.hpp>
+#include <trainloop/dist/model_sync.hpp>
+#include <trainloop/dist/process_group.hpp>
+#include <trainloop/dist/rank_env.hpp>
+#include <trainloop/dist/rank_session.hpp>
+#include <trainloop/dist/spawned_rank.hpp>
+#include <trainloop/dist/state_transfer.hpp>
+#include <trainloop/dist/threads.hpp>
+#include <trainloop/detail/history_io.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/gpu_mode/single.hpp>
+#include <trainloop/history.hpp>
+#include <trainloop/model_contract.hpp>
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+namespace trainloop {
+namespace detail {
+template <class Module>
+class DistributedEngine;
+}
+
+namespace gpu_mode {
+
+/// @brief Distributed data parallel training, in the style of PyTorch's DDP and `torchrun`:
+/// `gpu_mode::DistributedDataParallel().procs_per_node(4)`.
+struct DistributedDataParallel {
+  /// Name used by gpu_mode::parse and in messages.
+  static constexpr const char* name = "ddp";
+  /// The engine the loop runs for a model whose module type is `Module`.
+  template <class Module>
+  using engine = detail::DistributedEngine<Module>;
+
+  /// Processes started on this node; 0 means one per visible CUDA device, or 2 on a CPU machine.
+  TORCH_ARG(int, procs_per_node) = 0;
+  /// Number of machines in the job.
+  TORCH_ARG(int, nnodes) = 1;
+  /// This machine's index in [0, nnodes); node 0 hosts rank 0.
+  TORCH_ARG(int, node_rank) = 0;
+  /// Host of rank 0's TCPStore: an address every node can reach.
+  TORCH_ARG(std::string, master_addr) = "127.0.0.1";
+  /// Port of rank 0's TCPStore; 0 picks a free port (single node only).
+  TORCH_ARG(int, master_port) = 0;
+  /// Collective backend: Auto picks NCCL for CUDA devices and Gloo for the CPU.
+  TORCH_ARG(dist::Backend, backend) = dist::Backend::Auto;
+  /// Device kind of the ranks: CPU, or CUDA (rank r uses gpus[local r], or cuda:local_rank).
+  /// Unset: CUDA when available, else CPU.
+  TORCH_ARG(std::optional<torch::DeviceType>, device_type) = std::nullopt;
+  /// CUDA devices to use, one per local rank (like `fastai.launch --gpus 0,1`); empty = 0..n-1.
+  TORCH_ARG(std::vector<int>, gpus) = {};
+  /// Cap of the first gradient bucket (small, so communication starts early in backward).
+  TORCH_ARG(int64_t, first_bucket_cap_bytes) = int64_t{1} << 20;
+  /// Cap of every later gradient bucket.
+  TORCH_ARG(int64_t, bucket_cap_bytes) = int64_t{25} << 20;
+  /// All-reduce buckets during backward (true) or all after backward (false, for comparison).
+  TORCH_ARG(bool, overlap) = true;
+  /// Limit for joining the group and for each collective.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+  /// Seconds the launcher waits after SIGTERM before SIGKILL when a rank failed.
+  TORCH_ARG(std::chrono::milliseconds, kill_grace_period) = std::chrono::seconds(3);
+  /// Broadcast rank 0's buffers (BatchNorm running statistics) after every optimizer step.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+
+ public:  // TORCH_ARG leaves the section private.
+  /// @brief The device type ranks train on, after applying the default.
+  torch::DeviceType resolved_device_type() const {
+    return device_type_.value_or(torch::cuda::is_available() ? torch::kCUDA : torch::kCPU);
+  }
+  /// @brief Processes per node, after applying the default.
+  int resolved_procs_per_node() const {
+    if (procs_per_node_ > 0) return procs_per_node_;
+    if (!gpus_.empty()) return static_cast<int>(gpus_.size());
+    return resolved_device_type() == torch::kCUDA ? static_cast<int>(torch::cuda::device_count()) : 2;
+  }
+  /// @brief Throws trainloop::Error naming the first option out of range.
+  void validate() const {
+    TRAINLOOP_CHECK(procs_per_node_ >= 0, "procs_per_node is ", procs_per_node_, "; expected 0 (automatic) or more");
+    TRAINLOOP_CHECK(nnodes_ >= 1, "nnodes is ", nnodes_, "; expected 1 or more");
+    TRAINLOOP_CHECK(node_rank_ >= 0 && node_rank_ < nnodes_, "node_rank is ", node_rank_, "; expected 0 <= node_rank < ",
+                    nnodes_);
+    TRAINLOOP_CHECK(master_port_ >= 0 && master_port_ <= 65535, "master port is ", master_port_,
+                    "; expected 0 (pick a free one) or 1..65535");
+    TRAINLOOP_CHECK(nnodes_ == 1 || master_port_ != 0, "a job of ", nnodes_,
+                    " nodes needs an explicit master port (every node must use the same); got 0");
+    TRAINLOOP_CHECK(first_bucket_cap_bytes_ > 0 && bucket_cap_bytes_ > 0, "bucket caps are ", first_bucket_cap_bytes_,
+                    " and ", bucket_cap_bytes_, " bytes; expected positive sizes");
+    if (!gpus_.empty() && procs_per_node_ > 0)
+      TRAINLOOP_CHECK(static_cast<int>(gpus_.size()) == procs_per_node_, "gpus lists ", gpus_.size(),
+                      " devices but procs_per_node is ", procs_per_node_, "; expected one GPU per process");
+    TRAINLOOP_CHECK(resolved_procs_per_node() >= 1, "no CUDA device is visible, so no rank can be started; "
+                                                    "expected device_type(torch::kCPU) or a visible GPU");
+  }
+};
+
+}  // namespace gpu_mode
+
+namespace detail {
+
+/// Counts DDP fit() calls in this process, so a spawned rank can find the call it was started for
+/// (it re-runs the program from the top, passing the earlier fit() calls).
+inline int next_distributed_fit_index() {
+  static std::atomic<int> count{0};
+  return ++count;
+}
+inline constexpr const char* kFitIndexVariable = "TRAINLOOP_FIT_INDEX";
+
+/// The histories earlier DDP fit() calls of this (launching) process returned, so the ranks of a
+/// later call can hand the same ones to the program when it passes those calls again.
+inline std::vector<History>& finished_distributed_fits() {
+  static std::vector<History> histories;
+  return histories;
+}
+inline std::filesystem::path earlier_history_path(const std::string& run_dir, int fit_index) {
+  return std::filesystem::path(run_dir) / ("history.fit" + std::to_string(fit_index) + ".txt");
+}
+
+/// The engine of gpu_mode::DistributedDataParallel (see distributed.hpp for the whole story).
+template <class Module>
+class DistributedEngine {
+ public:
+  DistributedEngine(const gpu_mode::DistributedDataParallel& mode, std::shared_ptr<Module> module)
+      : mode_(mode), module_(std::move(module)), env_(dist::detail::cached_rank_env()) {
+    mode_.validate();
+    if (env_) {
+      device_ = rank_device();
+    } else if (auto parameters = module_->parameters(); !parameters.empty()) {
+      device_ = parameters.front().device();  // the launching process evaluates where the model is
+    }
+  }
+
+  // ---- the mode interface -------------------------------------------------------------
+  bool is_main() const { return rank() == 0; }
+  int64_t rank() const { return env_ ? env_->rank : 0; }
+  int64_t world_size() const { return env_ ? env_->world_size : 1; }
+  torch::Device device() const { return device_; }
+  DataShard data_shard() const { return {rank(), world_size()}; }
+  void all_reduce_sum(torch::Tensor& tensor) {
+    if (group_) group_->all_reduce_sum(tensor);
+  }
+  bool any_rank(bool flag) {
+    if (!group_) return flag;
+    auto value = torch::full({1}, flag ? 1.0 : 0.0, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+    group_->all_reduce_max(value);
+    return value.item<float>() > 0.5f;
+  }
+  void barrier() {
+    if (group_) group_->barrier();
+  }
+
+  void prepare(torch::optim::Optimizer& optimizer) {
+    TRAINLOOP_CHECK(env_.has_value(), "the DDP engine was prepared outside a rank; expected fit() to launch ranks");
+    if (prepared_) return;
+    dist::apply_intra_op_threads(dist::intra_op_threads_for(env_->local_world_size));
+    module_->to(device_);
+    if (env_->source == dist::RankEnvSource::Trainloop) {
+      // Start from the launching process's model and optimizer, not from this re-run's fresh ones
+      // (loaded onto the module's device, so optimizer state lands next to its parameters).
+      dist::load_training_state(*module_, optimizer, env_->run_dir, "initial");
+    }
+    dist::ProcessGroupOptions options;
+    options.backend = mode_.backend();
+    options.device = device_;
+    options.timeout = mode_.timeout();
+    group_ = &dist::session_process_group(options);
+    dist::check_same_parameter_shapes(*module_, *group_);
+    dist::broadcast_module_state(*module_, *group_);
+    dist::GradientReducerOptions reducer_options;
+    reducer_options.first_bucket_cap_bytes = mode_.first_bucket_cap_bytes();
+    reducer_options.bucket_cap_bytes = mode_.bucket_cap_bytes();
+    reducer_options.overlap = mode_.overlap();
+    reducer_.emplace(*module_, *group_, reducer_options);
+    has_buffers_ = !module_->buffers().empty();
+    prepared_ = true;
+  }
+
+  template <class Batch, class Forward, class Sink>
+  void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool synchronize, Sink&& sink) {
+    reducer_->set_sync(synchronize);
+    StepOutput out = forward(*module_, batch_to_device(batch, device_));
+    (loss_scale == 1.0 ? out.loss : out.loss * loss_scale).backward();
+    sink(out);
+  }
+  void before_optimizer_step() { reducer_->finalize(); }
+  void after_optimizer_step() {
+    if (has_buffers_ && mode_.broadcast_buffers()) {
+      std::vector<torch::Tensor> buffers;
+      for (auto& buffer : module_->buffers()) buffers.push_back(buffer);
+      group_->broadcast(buffers, 0);
+    }
+  }
+
+  template <class Batch, class Forward, class Sink>
+  void eval_batch(const Batch& batch, Forward&& forward, Sink&& sink) {
+    torch::NoGradGuard no_grad;
+    sink(forward(*module_, batch_to_device(batch, device_)));
+  }
+
+  /// @brief The number of gradient all-reduces launched so far (for tests and benchmarks).
+  int64_t allreduce_count() const { return reducer_ ? reducer_->allreduce_count() : 0; }
+
+  // ---- fit orchestration (called by TrainLoop::fit around the loop) ---------------------
+
+  /// Runs `train()` the way this process's role requires: launch ranks, join as a rank, or (in a
+  /// rank we spawned) train for the matching fit() call and end the process.
+  template <class Train>
+  History run_fit(torch::optim::Optimizer& optimizer, Train&& train) {
+    const int fit_index = next_distributed_fit_index();
+    if (!env_) return launch(optimizer, fit_index);
+    if (env_->source != dist::RankEnvSource::Trainloop) return train();
+    const auto wanted = dist::detail::env_int(kFitIndexVariable, 1).value_or(1);
+    if (fit_index < wanted) {
+      // An earlier fit() of the program, run by an earlier launch: return what it returned then.
+      // (The model is not trained here; the fit() this rank was started for loads the launching
+      // process's model and optimizer before it trains.)
+      return read_history(earlier_history_path(env_->run_dir, fit_index));
+    }
+    const int status = dist::run_reporting_failure(*env_, [&] {
+      History history = train();
+      if (env_->local_rank == 0) {
+        dist::save_training_state(*module_, optimizer, env_->run_dir, "trained");
+        write_history(history, std::filesystem::path(env_->run_dir) / "history.txt");
+      }
+      barrier();  // no rank leaves while another still needs it in a collective
+    });
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
+    ::_exit(status);  // the rest of the program runs in the launching process only
+  }
+
+ private:
+  torch::Device rank_device() const {
+    if (mode_.resolved_device_type() != torch::kCUDA) return torch::Device(torch::kCPU);
+    const int local = env_->local_rank;
+    const int index = mode_.gpus().empty() ? local : mode_.gpus().at(static_cast<size_t>(local));
+    torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+    check_device_available(device);
+    return device;
+  }
+
+  History launch(torch::optim::Optimizer& optimizer, int fit_index) {
+    const int nprocs = mode_.resolved_procs_per_node();
+    dist::LaunchOptions options(nprocs);
+    options.nnodes(mode_.nnodes())
+        .node_rank(mode_.node_rank())
+        .master_addr(mode_.master_addr())
+        .master_port(mode_.master_port())
+        .grace_period(mode_.kill_grace_period())
+        .env({{kFitIndexVariable, std::to_string(fit_index)}});
+    dist::Launcher launcher(options);
+    dist::save_training_state(*module_, optimizer, launcher.run_dir(), "initial");
+    const auto& earlier = finished_distributed_fits();
+    for (size_t i = 0; i < earlier.size(); ++i)
+      write_history(earlier[i], earlier_history_path(launcher.run_dir(), static_cast<int>(i) + 1));
+    launcher.launch();
+    dist::load_training_state(*module_, optimizer, launcher.run_dir(), "trained");
+    History history = read_history(std::filesystem::path(launcher.run_dir()) / "history.txt");
+    finished_distributed_fits().push_back(history);
+    return history;
+  }
+
+  gpu_mode::DistributedDataParallel mode_;
+  std::shared_ptr<Module> module_;
+  const std::optional<dist::RankEnv>& env_;
+  torch::Device device_ = torch::Device(torch::kCPU);
+  dist::ProcessGroup* group_ = nullptr;
+  std::optional<dist::GradientReducer> reducer_;
+  bool has_buffers_ = false;
+  bool prepared_ = false;
+};
+
+}  // namespace detail
+}  // namespace trainloop

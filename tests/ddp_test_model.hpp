@@ -1,0 +1,51 @@
+#pragma once
+// The model and data shared by ddp_worker (the program DDP re-executes) and the tests that
+// compare its result with one process.
+
+#include <trainloop/trainloop.hpp>
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 16));
+    fc3 = register_module("fc3", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::tanh(fc2(torch::tanh(fc1(x))))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+/// The same data in every process: a seeded 3-class problem.
+inline trainloop::data::TensorDataset make_data(int64_t n, uint64_t seed) {
+  auto x = torch::randn({n, 6}, at::detail::createCPUGenerator(seed));
+  auto y = x.matmul(torch::randn({6, 3}, at::detail::createCPUGenerator(99))).argmax(1);
+  return trainloop::data::TensorDataset(x, y, 3);
+}
+
+/// All parameters as one flat tensor.
+inline torch::Tensor flat_params(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : params) flat.push_back(p.detach().flatten());
+  return torch::cat(flat);
+}
+
+/// Parameters saved by ddp_worker, flattened.
+inline torch::Tensor load_params(const std::string& path) {
+  std::vector<torch::Tensor> params;
+  torch::load(params, path);
+  return flat_params(params);
+}
+
+/// One process with batch world*4: what `world` ranks of batch 4 see together (ddp_worker's
+/// "train" and "accumulate" scenarios: 5 steps of SGD with momentum, data in fixed order).
+inline torch::Tensor reference_params(int world, int64_t accumulation, int fits = 1) {
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto options =
+      trainloop::TrainLoopOptions().batch_size(4 * world).shuffle(false).grad_accumulation_steps(accumulation);
+  trainloop::TrainLoop<Mlp> loop(net, make_data(4 * world * 5 * accumulation, 1), {}, optimizer,
+                                 torch::nn::CrossEntropyLoss(), options);
+  for (int i = 0; i < fits; ++i) loop.fit(1);
+  return flat_params(net->parameters());
+}

@@ -1,0 +1,384 @@
+#define BOOST_TEST_MODULE test_gradient_reducer
+#include <boost/test/unit_test.hpp>
+
+#include <trainloop/dist/free_port.hpp>
+#include <trainloop/dist/gradient_reducer.hpp>
+#include <trainloop/dist/model_sync.hpp>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dist = trainloop::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct OneThreadPerRank {
+  OneThreadPerRank() { torch::set_num_threads(1); }
+};
+BOOST_TEST_GLOBAL_FIXTURE(OneThreadPerRank);
+
+/// Runs `body(group)` on `world_size` thread-ranks (own store client and Gloo backend each);
+/// returns each rank's exception (null when it succeeded).
+std::vector<std::exception_ptr> run_ranks_collecting(int world_size, const std::function<void(dist::ProcessGroup&)>& body) {
+  const int port = dist::find_free_port();
+  std::vector<std::exception_ptr> errors(world_size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        dist::ProcessGroupOptions options;
+        options.rank = rank;
+        options.world_size = world_size;
+        options.master_port = port;
+        options.timeout = 10s;
+        dist::ProcessGroup group = dist::ProcessGroup::create(options);
+        body(group);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return errors;
+}
+
+void run_ranks(int world_size, const std::function<void(dist::ProcessGroup&)>& body) {
+  for (auto& error : run_ranks_collecting(world_size, body)) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+/// Linear 10→32→32→4, plus a parameter the forward never uses. `unused` is registered first, so
+/// it lands in the last bucket (buckets follow reverse registration order) and the other
+/// buckets can still launch during backward. `reversed_registration` registers the layers as
+/// fc3, fc2, fc1: then gradients become ready in the opposite order of the buckets.
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(bool reversed_registration = false, int hidden = 32) {
+    unused = register_parameter("unused", torch::randn({5}));
+    if (reversed_registration) {
+      fc3 = register_module("fc3", torch::nn::Linear(hidden, 4));
+      fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
+      fc1 = register_module("fc1", torch::nn::Linear(10, hidden));
+    } else {
+      fc1 = register_module("fc1", torch::nn::Linear(10, hidden));
+      fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
+      fc3 = register_module("fc3", torch::nn::Linear(hidden, 4));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc3(torch::tanh(fc2(torch::tanh(fc1(x)))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  torch::Tensor unused;
+};
+TORCH_MODULE(Mlp);
+
+/// Fixed data, made once before the rank threads start: rank r, micro-step s uses batch (r, s).
+struct Data {
+  Data() {
+    torch::manual_seed(7);
+    inputs = torch::randn({3, 4, 6, 10});   // [rank, micro-step, batch, features]
+    targets = torch::randn({3, 4, 6, 4});
+  }
+  torch::Tensor inputs, targets;
+};
+const Data& data() {
+  static const Data instance;
+  return instance;
+}
+
+torch::Tensor loss_on(Mlp& model, int rank, int step) {
+  return torch::mse_loss(model->forward(data().inputs[rank][step]), data().targets[rank][step]);
+}
+
+/// Caps that split the MLP into 3 buckets: {fc3}, {fc2}, {fc1, unused} in the normal layout.
+dist::GradientReducerOptions small_buckets(bool overlap = true) {
+  dist::GradientReducerOptions options;
+  options.first_bucket_cap_bytes = 200;
+  options.bucket_cap_bytes = 2000;
+  options.overlap = overlap;
+  return options;
+}
+
+/// Copies `source`'s parameters into a fresh model that has no hooks: the local reference.
+Mlp unhooked_copy(Mlp& source, bool reversed_registration) {
+  Mlp copy(reversed_registration);
+  torch::NoGradGuard no_grad;
+  auto from = source->parameters();
+  auto to = copy->parameters();
+  for (std::size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  return copy;
+}
+
+std::vector<torch::Tensor> grads_of(Mlp& model) {
+  std::vector<torch::Tensor> grads;
+  for (auto& p : model->parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+  return grads;
+}
+
+/// What every rank records for the checks made after the threads have joined.
+struct RankResult {
+  std::vector<torch::Tensor> local;    // grads of the unhooked copy (local, not averaged)
+  std::vector<torch::Tensor> reduced;  // grads after finalize()
+  std::vector<bool> reduced_defined;
+  std::vector<std::size_t> launch_order;
+  std::size_t launched_during_backward = 0;
+  std::size_t bucket_count = 0;
+  std::int64_t count_after_micro_steps = -1;
+  std::int64_t count_after_sync_step = -1;
+};
+
+/// One training step (plus `micro_steps` accumulation steps under no_sync) on every rank.
+std::vector<RankResult> run_step(int world, bool reversed_registration, dist::GradientReducerOptions options,
+                                 int micro_steps = 0) {
+  std::vector<RankResult> results(world);
+  run_ranks(world, [&](dist::ProcessGroup& group) {
+    const int rank = group.rank();
+    RankResult& result = results[rank];
+    Mlp model(reversed_registration);
+    dist::broadcast_module_state(*model, group);  // ranks start from rank 0's random init
+    Mlp reference = unhooked_copy(model, reversed_registration);
+    dist::GradientReducer reducer(*model, group, options);
+    result.bucket_count = reducer.bucket_count();
+    for (int step = 0; step < micro_steps; ++step) {
+      auto guard = reducer.no_sync();
+      loss_on(model, rank, step).backward();
+      reducer.finalize();  // a no-op while sync is off
+    }
+    result.count_after_micro_steps = reducer.allreduce_count();
+    loss_on(model, rank, micro_steps).backward();
+    reducer.finalize();
+    result.count_after_sync_step = reducer.allreduce_count();
+    for (int step = 0; step <= micro_steps; ++step) loss_on(reference, rank, step).backward();
+    result.local = grads_of(reference);
+    for (auto& p : model->parameters()) result.reduced_defined.push_back(p.grad().defined());
+    result.reduced = grads_of(model);
+    result.launch_order = reducer.last_launch_order();
+    result.launched_during_backward = reducer.last_launched_during_backward();
+  });
+  return results;
+}
+
+/// Every rank's reduced grads equal the mean of the local grads (≤ 1e-6) and each other (exactly).
+void check_averaged(const std::vector<RankResult>& results) {
+  const std::size_t world = results.size();
+  for (std::size_t p = 0; p < results[0].local.size(); ++p) {
+    torch::Tensor mean = torch::zeros_like(results[0].local[p]);
+    for (const auto& r : results) mean += r.local[p];
+    mean /= static_cast<double>(world);
+    for (std::size_t rank = 0; rank < world; ++rank) {
+      BOOST_TEST_CONTEXT("parameter " << p << ", rank " << rank) {
+        BOOST_TEST(results[rank].reduced_defined[p]);
+        BOOST_TEST((results[rank].reduced[p] - mean).abs().max().item<double>() <= 1e-6);
+        BOOST_TEST(torch::equal(results[rank].reduced[p], results[0].reduced[p]));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(gradient_reducer)
+
+BOOST_AUTO_TEST_CASE(grads_are_the_mean_over_ranks_with_three_buckets_launched_in_order) {
+  for (int world : {2, 3}) {
+    BOOST_TEST_CONTEXT("world " << world) {
+      auto results = run_step(world, /*reversed_registration=*/false, small_buckets());
+      check_averaged(results);
+      for (const auto& r : results) {
+        BOOST_TEST(r.bucket_count == 3u);
+        BOOST_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+        BOOST_TEST(r.launched_during_backward == 2u);  // the bucket holding `unused` waits for finalize
+        BOOST_TEST(r.count_after_sync_step == 3);
+      }
+      // the unused parameter (index 0) got the same zero grad on every rank
+      for (const auto& r : results) BOOST_TEST(r.reduced[0].abs().max().item<double>() == 0.0);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(buckets_launch_in_bucket_order_even_when_gradients_arrive_out_of_order) {
+  // Layers registered fc3, fc2, fc1: bucket 0 holds fc1, whose gradients arrive last, so bucket 1
+  // (fc2) fills first and must wait for bucket 0; both launch from fc1's hook, in order 0, 1;
+  // bucket 2 (fc3 and the unused parameter) launches in finalize().
+  auto results = run_step(3, /*reversed_registration=*/true, small_buckets());
+  check_averaged(results);
+  for (const auto& r : results) {
+    BOOST_TEST(r.bucket_count == 3u);
+    BOOST_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+    BOOST_TEST(r.launched_during_backward == 2u);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(no_sync_accumulates_locally_then_reduces_the_accumulated_grads) {
+  for (int world : {2, 3}) {
+    BOOST_TEST_CONTEXT("world " << world) {
+      auto results = run_step(world, false, small_buckets(), /*micro_steps=*/3);
+      check_averaged(results);  // mean over ranks of grads accumulated over 4 backward passes
+      for (const auto& r : results) {
+        BOOST_TEST(r.count_after_micro_steps == 0);
+        BOOST_TEST(r.count_after_sync_step == static_cast<std::int64_t>(r.bucket_count));
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(overlap_off_reduces_everything_in_finalize) {
+  auto results = run_step(2, false, small_buckets(/*overlap=*/false));
+  check_averaged(results);
+  for (const auto& r : results) {
+    BOOST_TEST(r.launched_during_backward == 0u);
+    BOOST_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(default_caps_make_one_bucket_for_a_small_model_and_several_steps_work) {
+  run_ranks(2, [](dist::ProcessGroup& group) {
+    Mlp model;
+    dist::broadcast_module_state(*model, group);
+    dist::GradientReducer reducer(*model, group);
+    BOOST_TEST(reducer.bucket_count() == 1u);
+    BOOST_TEST(reducer.parameters().size() == 7u);
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      loss_on(model, group.rank(), step).backward();
+      reducer.finalize();
+      optimizer.step();
+    }
+    BOOST_TEST(reducer.allreduce_count() == 3);
+    // identical updates keep the replicas identical
+    for (auto& p : model->parameters()) {
+      torch::Tensor gathered = group.all_gather(p.detach());
+      BOOST_TEST(torch::equal(gathered[0], gathered[1]));
+    }
+  });
+}
+
+BOOST_AUTO_TEST_CASE(destructor_removes_the_hooks) {
+  run_ranks(1, [](dist::ProcessGroup& group) {
+    Mlp model;
+    std::vector<std::size_t> before;
+    for (auto& p : model->parameters()) before.push_back(torch::autograd::impl::grad_accumulator(p)->post_hooks().size());
+    {
+      dist::GradientReducer reducer(*model, group);
+      for (std::size_t i = 0; i < before.size(); ++i) {
+        BOOST_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i] + 1);
+      }
+    }
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      BOOST_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i]);
+    }
+    loss_on(model, 0, 0).backward();  // the module outlives the reducer and still trains
+    BOOST_TEST(model->fc1->weight.grad().defined());
+  });
+}
+
+BOOST_AUTO_TEST_CASE(backward_twice_without_finalize_is_an_error) {
+  run_ranks(1, [](dist::ProcessGroup& group) {
+    Mlp model;
+    dist::GradientReducer reducer(*model, group, small_buckets());
+    loss_on(model, 0, 0).backward();
+    std::string message;
+    try {
+      loss_on(model, 0, 1).backward();
+    } catch (const std::exception& error) {
+      message = error.what();
+    }
+    BOOST_TEST(message.find("became ready twice") != std::string::npos);
+    reducer.finalize();  // still usable afterwards
+  });
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+BOOST_AUTO_TEST_SUITE(model_sync)
+
+BOOST_AUTO_TEST_CASE(broadcast_module_state_copies_rank_0_parameters_and_buffers) {
+  struct NetImpl : torch::nn::Module {
+    NetImpl() {
+      fc = register_module("fc", torch::nn::Linear(3, 2));
+      norm = register_module("norm", torch::nn::BatchNorm1d(2));
+    }
+    torch::nn::Linear fc{nullptr};
+    torch::nn::BatchNorm1d norm{nullptr};
+  };
+  std::vector<std::map<std::string, torch::Tensor>> states(3);
+  run_ranks(3, [&](dist::ProcessGroup& group) {
+    auto net = std::make_shared<NetImpl>();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.fill_(group.rank() + 1.0);
+      net->norm->running_mean.fill_(10.0 * group.rank());
+      net->norm->num_batches_tracked.fill_(100 + group.rank());  // int64 buffer: its own flat group
+    }
+    dist::broadcast_module_state(*net, group);
+    for (const auto& item : net->named_parameters()) states[group.rank()][item.key()] = item.value().detach().clone();
+    for (const auto& item : net->named_buffers()) states[group.rank()][item.key()] = item.value().clone();
+    BOOST_TEST(net->fc->weight.requires_grad());
+  });
+  for (int rank = 0; rank < 3; ++rank) {
+    BOOST_TEST(torch::equal(states[rank]["fc.weight"], torch::ones({2, 3})));
+    BOOST_TEST(torch::equal(states[rank]["norm.running_mean"], torch::zeros({2})));
+    BOOST_TEST(states[rank]["norm.num_batches_tracked"].item<std::int64_t>() == 100);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(different_models_are_an_error_on_every_rank_not_a_hang) {
+  // 3 ranks; rank 2 has a wider hidden layer (same parameter count, different shapes).
+  std::vector<std::string> messages(3);
+  auto errors = run_ranks_collecting(3, [&](dist::ProcessGroup& group) {
+    Mlp model(false, group.rank() == 2 ? 16 : 32);
+    try {
+      dist::check_same_parameter_shapes(*model, group);
+    } catch (const trainloop::Error& error) {
+      messages[group.rank()] = error.what();
+    }
+  });
+  for (int rank = 0; rank < 3; ++rank) {
+    BOOST_TEST_CONTEXT("rank " << rank << ": " << messages[rank]) {
+      BOOST_TEST(!errors[rank]);
+      BOOST_TEST(messages[rank].find("rank 2 has 7 parameters") != std::string::npos);
+      BOOST_TEST(messages[rank].find("first difference at entry #1") != std::string::npos);
+      BOOST_TEST(messages[rank].find("[32, 10]") != std::string::npos);
+      BOOST_TEST(messages[rank].find("[16, 10]") != std::string::npos);
+    }
+  }
+  BOOST_TEST_MESSAGE("shape mismatch: " << messages[0]);
+
+  // 2 ranks; rank 1 has one more layer: the counts differ.
+  std::vector<std::string> count_messages(2);
+  errors = run_ranks_collecting(2, [&](dist::ProcessGroup& group) {
+    Mlp model;
+    if (group.rank() == 1) model->register_module("extra", torch::nn::Linear(4, 4));
+    try {
+      dist::broadcast_module_state(*model, group);  // checks first, so it throws instead of hanging
+    } catch (const trainloop::Error& error) {
+      count_messages[group.rank()] = error.what();
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    BOOST_TEST_CONTEXT("rank " << rank << ": " << count_messages[rank]) {
+      BOOST_TEST(!errors[rank]);
+      BOOST_TEST(count_messages[rank].find("rank 0 has 7 parameters") != std::string::npos);
+      BOOST_TEST(count_messages[rank].find("rank 1 has 9 parameters") != std::string::npos);
+    }
+  }
+  BOOST_TEST_MESSAGE("count mismatch: " << count_messages[1]);
+}
+
+BOOST_AUTO_TEST_CASE(same_models_pass_the_check) {
+  run_ranks(3, [](dist::ProcessGroup& group) {
+    Mlp model;
+    dist::check_same_parameter_shapes(*model, group);  // throws on mismatch
+    BOOST_TEST(group.world_size() == 3);
+  });
+}
+
+BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,243 @@
+#define BOOST_TEST_MODULE test_process_group
+#include <boost/test/unit_test.hpp>
+
+#include <trainloop/dist/free_port.hpp>
+#include <trainloop/dist/process_group.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dist = trainloop::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// Ranks are threads of this process, each with its own store client and Gloo backend.
+struct OneThreadPerRank {
+  OneThreadPerRank() { torch::set_num_threads(1); }
+};
+BOOST_TEST_GLOBAL_FIXTURE(OneThreadPerRank);
+
+dist::ProcessGroupOptions options_for(int rank, int world_size, int port) {
+  dist::ProcessGroupOptions options;
+  options.rank = rank;
+  options.world_size = world_size;
+  options.master_port = port;
+  options.backend = dist::Backend::Gloo;
+  options.timeout = 10s;
+  return options;
+}
+
+/// Runs `body(group)` on `world_size` thread-ranks; rethrows the first rank's failure.
+void run_ranks(int world_size, const std::function<void(dist::ProcessGroup&)>& body) {
+  const int port = dist::find_free_port();
+  std::vector<std::exception_ptr> errors(world_size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        dist::ProcessGroup group = dist::ProcessGroup::create(options_for(rank, world_size, port));
+        body(group);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (auto& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+std::string message_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const trainloop::Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(collectives)
+
+BOOST_AUTO_TEST_CASE(all_reduce_sum_is_exact_over_2_and_3_ranks) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [world](dist::ProcessGroup& group) {
+      BOOST_TEST(group.rank() >= 0);
+      BOOST_TEST(group.world_size() == world);
+      BOOST_TEST((group.backend() == dist::Backend::Gloo));
+      const double r = group.rank();
+      // single tensor
+      torch::Tensor x = torch::full({5}, r + 1.0);
+      group.all_reduce_sum(x);
+      BOOST_TEST(torch::equal(x, torch::full({5}, world * (world + 1) / 2.0)));
+      // several tensors of several dtypes, one non-contiguous
+      torch::Tensor a = torch::arange(6, torch::kFloat32).view({2, 3}) * (r + 1);
+      torch::Tensor b = torch::full({4}, static_cast<std::int64_t>(group.rank() * 10 + 1), torch::kInt64);
+      torch::Tensor c_base = torch::arange(12, torch::kFloat64).view({3, 4});
+      torch::Tensor c = c_base.t();  // non-contiguous view: result must land in c_base
+      const double ranks_sum = world * (world - 1) / 2.0;
+      group.all_reduce_sum(std::vector<torch::Tensor>{a, b, c});
+      BOOST_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0)));
+      BOOST_TEST(torch::equal(b, torch::full({4}, static_cast<std::int64_t>(10 * ranks_sum + world), torch::kInt64)));
+      BOOST_TEST(torch::equal(c_base, torch::arange(12, torch::kFloat64).view({3, 4}) * world));
+      // tensors of >= 256 KiB get a collective of their own, in place or (non-contiguous) staged
+      torch::Tensor big = torch::full({70000}, r + 1.0);
+      torch::Tensor big_base = torch::full({300, 300}, r + 1.0);
+      torch::Tensor small = torch::full({3}, r);
+      group.all_reduce_sum(std::vector<torch::Tensor>{small, big, big_base.t(), a});
+      BOOST_TEST(torch::equal(big, torch::full({70000}, world * (world + 1) / 2.0)));
+      BOOST_TEST(torch::equal(big_base, torch::full({300, 300}, world * (world + 1) / 2.0)));
+      BOOST_TEST(torch::equal(small, torch::full({3}, ranks_sum)));
+      BOOST_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0 * world)));  // summed twice
+      // async
+      torch::Tensor y = torch::full({3}, 2.0 * r);
+      dist::WorkHandle work = group.all_reduce_sum_async(y);
+      group.wait(work);
+      BOOST_TEST(torch::equal(y, torch::full({3}, 2.0 * ranks_sum)));
+    });
+  }
+}
+
+BOOST_AUTO_TEST_CASE(broadcast_copies_the_root_values) {
+  run_ranks(3, [](dist::ProcessGroup& group) {
+    const double r = group.rank();
+    torch::Tensor a = torch::full({2, 2}, r);
+    torch::Tensor b = torch::full({3}, static_cast<std::int64_t>(100 + group.rank()), torch::kInt64);
+    torch::Tensor big = torch::full({100000}, r);
+    group.broadcast(std::vector<torch::Tensor>{a, big, b}, /*root=*/1);
+    BOOST_TEST(torch::equal(a, torch::full({2, 2}, 1.0)));
+    BOOST_TEST(torch::equal(big, torch::full({100000}, 1.0)));
+    BOOST_TEST(torch::equal(b, torch::full({3}, std::int64_t{101}, torch::kInt64)));
+    torch::Tensor c = torch::full({4}, r + 7);
+    group.broadcast(c);  // default root 0
+    BOOST_TEST(torch::equal(c, torch::full({4}, 7.0)));
+  });
+}
+
+BOOST_AUTO_TEST_CASE(all_reduce_max_and_all_gather) {
+  run_ranks(3, [](dist::ProcessGroup& group) {
+    torch::Tensor stop = torch::tensor({group.rank() == 1 ? 1 : 0}, torch::kInt64);
+    group.all_reduce_max(stop);
+    BOOST_TEST(stop.item<std::int64_t>() == 1);
+    torch::Tensor mine = torch::tensor({std::int64_t{group.rank()}, std::int64_t{group.rank() * group.rank()}});
+    torch::Tensor all = group.all_gather(mine);
+    BOOST_TEST(all.sizes() == torch::IntArrayRef({3, 2}));
+    BOOST_TEST(torch::equal(all, torch::tensor({0, 0, 1, 1, 2, 4}, torch::kInt64).view({3, 2})));
+  });
+}
+
+BOOST_AUTO_TEST_CASE(barrier_waits_for_the_slowest_rank) {
+  std::vector<double> waited_ms(3, 0.0);
+  run_ranks(3, [&](dist::ProcessGroup& group) {
+    group.barrier();  // all ranks constructed
+    if (group.rank() == 2) std::this_thread::sleep_for(400ms);
+    const auto start = std::chrono::steady_clock::now();
+    group.barrier();
+    waited_ms[group.rank()] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  });
+  BOOST_TEST(waited_ms[0] >= 300.0);
+  BOOST_TEST(waited_ms[1] >= 300.0);
+  BOOST_TEST(waited_ms[2] < 300.0);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+BOOST_AUTO_TEST_SUITE(errors)
+
+BOOST_AUTO_TEST_CASE(unreachable_master_times_out_with_address_and_timeout) {
+  const int port = dist::find_free_port();  // nobody listens there
+  auto options = options_for(/*rank=*/1, /*world_size=*/2, port);
+  options.timeout = 1000ms;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message = message_of([&] { dist::ProcessGroup::create(options); });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST_MESSAGE("unreachable master: " << message << " after " << seconds << " s");
+  BOOST_TEST(seconds >= 0.8);  // it kept trying for about the timeout...
+  BOOST_TEST(seconds < 3.0);   // ...and no longer
+  BOOST_TEST(message.find("127.0.0.1:" + std::to_string(port)) != std::string::npos);
+  BOOST_TEST(message.find("1000 ms") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) {
+  const int port = dist::find_free_port();
+  std::vector<double> sums(2, 0.0);
+  std::vector<std::exception_ptr> errors(2);
+  std::vector<std::thread> ranks;
+  for (int rank : {1, 0}) {
+    ranks.emplace_back([&, rank] {
+      try {
+        if (rank == 0) std::this_thread::sleep_for(400ms);  // server comes up late
+        auto options = options_for(rank, 2, port);
+        options.timeout = 1500ms;
+        dist::ProcessGroup group = dist::ProcessGroup::create(options);
+        torch::Tensor x = torch::full({1}, rank + 1.0);
+        group.all_reduce_sum(x);
+        sums[rank] = x.item<double>();
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : ranks) thread.join();
+  for (auto& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+  BOOST_TEST(sums[0] == 3.0);
+  BOOST_TEST(sums[1] == 3.0);
+}
+
+BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
+  const int port = dist::find_free_port();
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  BOOST_REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  BOOST_REQUIRE(::listen(listener, 4) == 0);
+  auto options = options_for(/*rank=*/0, /*world_size=*/2, port);
+  options.timeout = 1000ms;
+  const std::string message = message_of([&] { dist::ProcessGroup::create(options); });
+  ::close(listener);
+  BOOST_TEST_MESSAGE("port in use: " << message);
+  BOOST_TEST(message.find("port " + std::to_string(port)) != std::string::npos);
+  BOOST_TEST(message.find("already in use") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(bad_options_are_rejected_before_any_connection) {
+  auto options = options_for(/*rank=*/2, /*world_size=*/2, 29500);
+  BOOST_TEST(message_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
+  options = options_for(0, 1, 0);
+  BOOST_TEST(message_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
+  options = options_for(0, 1, 29500);
+  options.backend = dist::Backend::Nccl;
+  const std::string nccl = message_of([&] { dist::ProcessGroup::create(options); });
+  BOOST_TEST(nccl.find("nccl") != std::string::npos);
+  dist::ProcessGroup empty;
+  BOOST_TEST(!empty.valid());
+  BOOST_TEST(message_of([&] { empty.barrier(); }).find("empty ProcessGroup") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(single_rank_group_is_an_identity) {
+  auto options = options_for(0, 1, dist::find_free_port());
+  dist::ProcessGroup group = dist::ProcessGroup::create(options);
+  torch::Tensor x = torch::tensor({1.5, -2.0});
+  group.all_reduce_sum(x);
+  group.barrier();
+  BOOST_TEST(torch::equal(x, torch::tensor({1.5, -2.0})));
+  BOOST_TEST(torch::equal(group.all_gather(x), x.unsqueeze(0)));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
