@@ -269,3 +269,54 @@ BOOST_AUTO_TEST_CASE(a_plain_module_type_works_through_a_shared_ptr) {
   auto history = loop.fit(5);
   BOOST_TEST(history.last().train_loss < history.epochs.front().train_loss);
 }
+
+BOOST_AUTO_TEST_CASE(gpu_mode_parse_names_the_valid_modes) {
+  BOOST_TEST(tl::gpu_mode::parse("single").name() == "single");
+  BOOST_TEST(tl::gpu_mode::parse("dp").name() == "dp");
+  BOOST_TEST(tl::gpu_mode::parse("ddp").name() == "ddp");
+  auto unknown = error_of([] { tl::gpu_mode::parse("gpu"); });
+  BOOST_TEST(unknown == "trainloop: unknown gpu mode 'gpu'; expected one of: single, dp, ddp");
+}
+
+BOOST_AUTO_TEST_CASE(a_run_time_mode_trains_like_the_compile_time_one) {
+  auto run = [](auto mode_tag, tl::gpu_mode::Any mode) {
+    auto net = seeded_net(13);
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    using Mode = decltype(mode_tag);
+    auto options = tl::TrainLoopOptions().batch_size(7).shuffle(false);
+    if constexpr (std::is_same_v<Mode, tl::gpu_mode::Any>) {
+      tl::TrainLoop<Net, tl::gpu_mode::Any> loop(net, blobs(35, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                                                 options, mode);
+      loop.fit(1);
+    } else {
+      tl::TrainLoop<Net, Mode> loop(net, blobs(35, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), options);
+      loop.fit(1);
+    }
+    return torch::cat({net->fc1->weight.flatten(), net->fc2->weight.flatten()});
+  };
+  auto compile_time = run(tl::gpu_mode::Single(), {});
+  auto run_time_single = run(tl::gpu_mode::Any(), tl::gpu_mode::parse("single"));
+  auto run_time_dp = run(tl::gpu_mode::Any(), tl::gpu_mode::DataParallel::cpu_replicas(3));
+  BOOST_TEST(torch::equal(compile_time, run_time_single));
+  BOOST_TEST((compile_time - run_time_dp).abs().max().item<double>() < 1e-5);
+}
+
+// Neither Cloneable nor default-constructible: DataParallel cannot replicate it.
+struct WidthNetImpl : torch::nn::Module {
+  explicit WidthNetImpl(int64_t width) { fc = register_module("fc", torch::nn::Linear(8, width)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(WidthNet);
+
+BOOST_AUTO_TEST_CASE(a_run_time_mode_that_cannot_serve_the_model_is_a_clear_error) {
+  WidthNet net(3);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<WidthNet, tl::gpu_mode::Any> single(net, blobs(20, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                                                    tl::TrainLoopOptions().batch_size(5), tl::gpu_mode::parse("single"));
+  BOOST_TEST(single.fit(1).total_steps == 4);
+  tl::TrainLoop<WidthNet, tl::gpu_mode::Any> dp(net, blobs(20, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                                                tl::TrainLoopOptions().batch_size(5), tl::gpu_mode::parse("dp"));
+  auto message = error_of([&] { dp.fit(1); });
+  BOOST_TEST(message.find("gpu mode dp cannot train this model") != std::string::npos, message);
+}

@@ -139,7 +139,16 @@ class TrainLoop {
     if constexpr (ModeEngine<engine_type>) {
       return f(*engine_);
     } else {
-      return engine_->visit(std::forward<F>(f));
+      using Result = std::invoke_result_t<F&, detail::SingleEngine<module_type>&>;
+      return engine_->visit([&](auto& chosen) -> Result {
+        if constexpr (detail::engine_supports_v<std::decay_t<decltype(chosen)>, Batch>) {
+          return f(chosen);
+        } else {
+          throw Error("trainloop: gpu mode dp cannot train this model: DataParallel needs a module that derives "
+                      "from torch::nn::Cloneable or is default-constructible, and batches of "
+                      "torch::data::Example<> or with a split(parts) member; expected one of those, or mode single/ddp");
+        }
+      });
     }
   }
   detail::FitRunner<module_type, Batch> runner() {

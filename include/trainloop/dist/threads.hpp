@@ -11,6 +11,7 @@
 /// `apply_intra_op_threads(intra_op_threads_for(env.local_world_size))`, which reads it back.
 
 #include <trainloop/dist/rank_env.hpp>
+#include <trainloop/detail/blas_threads.hpp>
 #include <trainloop/error.hpp>
 
 #include <ATen/Parallel.h>
@@ -66,6 +67,9 @@ inline std::optional<std::string> omp_num_threads_for_children(int ranks_on_node
 inline void apply_intra_op_threads(int threads) {
   TRAINLOOP_CHECK(threads >= 1, "intra-op thread count is ", threads, "; expected >= 1");
   at::set_num_threads(threads);  // torch::set_num_threads is this function
+  // Debian's libtorch multiplies matrices with the pthread OpenBLAS, whose own pool ignores
+  // at::set_num_threads: without this, every rank would also start one BLAS thread per core.
+  ::trainloop::detail::OpenBlasThreads::loaded().set(threads);
 }
 
 }  // namespace trainloop::dist

@@ -3,7 +3,7 @@
 /// @brief The interface between the loop and a gpu_mode: the only code that knows about devices,
 /// replicas, ranks and collectives.
 ///
-/// Each policy type (gpu_mode::Single, ::DataParallel, ::DistributedDataParallel) names an
+/// Each policy type (gpu_mode::Single, gpu_mode::DataParallel, gpu_mode::DistributedDataParallel) names an
 /// engine class template, `Policy::engine<Module>`, that the loop instantiates for the model's
 /// module type. The loop, metrics and callbacks talk to the engine only through the members
 /// checked by the ModeEngine concept below:
@@ -56,5 +56,13 @@ concept ModeEngine = requires(Engine& engine, const Engine& const_engine, torch:
   engine.before_optimizer_step();
   engine.after_optimizer_step();
 };
+
+namespace detail {
+/// Whether an engine can train batches of type `Batch` with its module (true unless a mode
+/// specialises it: DataParallel needs replicable modules and splittable batches). Used by
+/// gpu_mode::Any so a run-time choice compiles for every model, and names the mode that cannot.
+template <class Engine, class Batch>
+inline constexpr bool engine_supports_v = true;
+}  // namespace detail
 
 }  // namespace trainloop

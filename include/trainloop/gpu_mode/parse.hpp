@@ -69,6 +69,27 @@ inline Any parse(std::string_view name) {
 
 namespace detail {
 
+/// Stands in for an engine that cannot be built for this module type (DataParallel with a module
+/// it cannot replicate), so a run-time choice still compiles; choosing it is a run-time error.
+struct UnavailableEngine {
+  template <class Policy, class Module>
+  UnavailableEngine(const Policy&, Module&&) {}
+};
+template <class Batch>
+inline constexpr bool engine_supports_v<UnavailableEngine, Batch> = false;
+
+/// The engine AnyEngine holds for a policy.
+template <class Policy, class Module>
+struct any_engine_alternative {
+  using type = typename Policy::template engine<Module>;
+};
+template <class Module>
+struct any_engine_alternative<gpu_mode::DataParallel, Module> {
+  using type = std::conditional_t<replicable_module_v<Module>, DataParallelEngine<Module>, UnavailableEngine>;
+};
+template <class Policy, class Module>
+using any_engine_alternative_t = typename any_engine_alternative<Policy, Module>::type;
+
 /// Holds the engine of the mode chosen at run time; the loop visits it once per call.
 template <class Module>
 class AnyEngine {
@@ -76,7 +97,7 @@ class AnyEngine {
   AnyEngine(const gpu_mode::Any& mode, std::shared_ptr<Module> module) {
     std::visit(
         [&](const auto& policy) {
-          using Engine = typename std::decay_t<decltype(policy)>::template engine<Module>;
+          using Engine = any_engine_alternative_t<std::decay_t<decltype(policy)>, Module>;
           engine_.template emplace<Engine>(policy, std::move(module));
         },
         mode.get());
@@ -98,7 +119,9 @@ class AnyEngine {
 
  private:
   // Engines own threads and process groups, so they are built in place and never moved.
-  std::variant<std::monostate, SingleEngine<Module>, DataParallelEngine<Module>, DistributedEngine<Module>> engine_;
+  std::variant<std::monostate, SingleEngine<Module>, any_engine_alternative_t<gpu_mode::DataParallel, Module>,
+               DistributedEngine<Module>>
+      engine_;
 };
 
 }  // namespace detail

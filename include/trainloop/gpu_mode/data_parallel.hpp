@@ -1,0 +1,339 @@
+#pragma once
+/// @file
+/// @brief gpu_mode::DataParallel: one process, one persistent replica of the model per device
+/// (CUDA devices, or CPU replicas), each batch split across them.
+
+#include <trainloop/detail/batch_split.hpp>
+#include <trainloop/detail/blas_threads.hpp>
+#include <trainloop/detail/replica_set.hpp>
+#include <trainloop/detail/worker_pool.hpp>
+#include <trainloop/dist/threads.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/gpu_mode/single.hpp>
+#include <trainloop/model_contract.hpp>
+
+#include <ATen/Config.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace trainloop {
+namespace detail {
+template <class Module>
+class DataParallelEngine;
+}
+
+namespace gpu_mode {
+
+/// @brief Data parallelism inside one process: every device holds a replica of the model, every
+/// batch is split across them, gradients are summed, one optimizer step updates the model.
+///
+/// @code
+/// trainloop::TrainLoop<Net, trainloop::gpu_mode::DataParallel> loop(
+///     net, train, val, optimizer, criterion, options,
+///     trainloop::gpu_mode::DataParallel().devices({torch::Device("cuda:0"), torch::Device("cuda:1")}));
+/// // or, on any machine: trainloop::gpu_mode::DataParallel::cpu_replicas(3)
+/// @endcode
+///
+/// **What a step does.** The caller's model is replica 0 on `devices()[0]`: the optimizer, built
+/// over its parameters, steps it, and it holds the trained weights after fit(). The other
+/// replicas are built once, on the first fit() or evaluate() (cloned when the module derives from
+/// `torch::nn::Cloneable<Impl>`, otherwise default-constructed and given the model's parameters
+/// and buffers by name). A batch of B samples is cut along dimension 0 into contiguous shards
+/// whose sizes differ by at most one (7 over 3 replicas: 3, 2, 2; fewer shards than replicas when
+/// B is smaller). Worker r moves shard r to its device and runs forward and backward of
+/// `loss_r * n_r / B` on replica r, so after the other replicas' gradients are added into replica
+/// 0's the gradient is exactly the full-batch mean gradient, for uneven splits too. After the
+/// step replica 0's parameters and buffers are copied into the others. Metrics see every shard's
+/// outputs (sums, so they are exact). Replicas follow the model's train()/eval() mode.
+///
+/// **BatchNorm** (and any layer that computes statistics over the batch). As in PyTorch's
+/// `nn.DataParallel`, and unlike single-device training:
+///  - in training mode each replica normalises its shard with that shard's own batch mean and
+///    variance (there is no cross-replica synchronisation), so the loss and gradients equal those
+///    of R separate smaller batches, not of one batch of B;
+///  - running statistics (and `num_batches_tracked`) are those of replica 0 only: they are updated
+///    from shard 0 of every batch, and replica 0's buffers are copied to the other replicas after
+///    every optimizer step (and before a forward whenever replica 0's buffers changed), so the
+///    other replicas' updates are discarded. Evaluation therefore uses one consistent set of
+///    running statistics on every replica, the ones stored in the caller's model.
+///
+/// **Threads.** One persistent worker thread per replica. Each worker sets its own intra-op thread
+/// count to threads_per_replica() or, when that is 0, to max(1, usable cores / replicas) unless
+/// OMP_NUM_THREADS is set (then libtorch's default is kept), so the replicas together use the
+/// machine's cores without oversubscribing them. With libtorch's OpenMP backend (Debian's and the
+/// pip wheels') the count is per thread: a worker's `at::set_num_threads` does not change the
+/// calling thread's count, and the process default seen by threads started later is restored
+/// (checked: tests/test_data_parallel.cpp). With the native thread-pool backend the count is
+/// process-wide, so it is left alone. OpenBLAS (Debian's BLAS) keeps one process-wide pool that
+/// at::set_num_threads does not reach and that concurrent callers busy-wait on; while a batch runs
+/// on the replicas its thread count is set to the same per-replica count, and restored after.
+///
+/// **Requirements.** The criterion and the model's forward are called from several threads at
+/// once (on different replicas): they must not mutate shared state (libtorch's loss modules and
+/// layers do not). Layers that draw random numbers on the CPU (dropout) share torch's one CPU
+/// generator between replicas, so CPU runs with dropout are not bitwise reproducible. Only
+/// registered parameters and buffers are copied between replicas (other member state is not).
+/// Batches are `torch::data::Example<>`, or a type with `std::vector<Batch> split(int64_t parts) const`.
+///
+/// **Errors.** An exception in any replica's forward or backward is rethrown on the calling thread
+/// as trainloop::Error naming the replica and its device, after every worker of that batch has
+/// finished. Workers are joined when the TrainLoop is destroyed, after an exception too.
+struct DataParallel {
+  /// Name used by gpu_mode::parse and in messages.
+  static constexpr const char* name = "dp";
+  /// The engine the loop runs for a model whose module type is `Module`.
+  template <class Module>
+  using engine = detail::DataParallelEngine<Module>;
+
+  /// @brief Every visible CUDA device, or 2 CPU replicas when CUDA is not available.
+  DataParallel() = default;
+  /// @brief One replica per entry of `devices` (the model itself is on `devices[0]`).
+  explicit DataParallel(std::vector<torch::Device> devices) : devices_(std::move(devices)) {}
+
+  /// @brief `n` replicas on the CPU: data parallelism that runs on any machine.
+  /// @throws trainloop::Error when `n` < 1.
+  static DataParallel cpu_replicas(int n) {
+    TRAINLOOP_CHECK(n >= 1, "cpu_replicas(", n, ") was asked for; expected at least 1 replica");
+    return DataParallel(std::vector<torch::Device>(static_cast<size_t>(n), torch::Device(torch::kCPU)));
+  }
+
+  /// @brief The default device list: cuda:0 .. cuda:N-1 when CUDA is available, else {cpu, cpu}.
+  static std::vector<torch::Device> default_devices() {
+    std::vector<torch::Device> devices;
+    if (torch::cuda::is_available()) {
+      for (size_t i = 0; i < torch::cuda::device_count(); ++i)
+        devices.emplace_back(torch::kCUDA, static_cast<torch::DeviceIndex>(i));
+    }
+    if (devices.empty()) devices.assign(2, torch::Device(torch::kCPU));
+    return devices;
+  }
+
+  /// One replica per device; devices[0] holds the caller's model. A device may repeat
+  /// (`{cpu, cpu, cpu}`, or two replicas on one GPU).
+  TORCH_ARG(std::vector<torch::Device>, devices) = default_devices();
+  /// Intra-op threads of each replica's worker; 0 chooses max(1, cores / replicas), or keeps
+  /// libtorch's default when OMP_NUM_THREADS is set.
+  TORCH_ARG(int, threads_per_replica) = 0;
+
+ public:  // TORCH_ARG leaves the section private.
+  /// @brief Throws trainloop::Error when the device list is empty, names a CUDA device this
+  /// machine does not have, or threads_per_replica is negative.
+  void validate() const {
+    TRAINLOOP_CHECK(!devices_.empty(), "DataParallel was given an empty device list; expected at least one device, "
+                                       "e.g. DataParallel::cpu_replicas(2) or {cuda:0, cuda:1}");
+    for (const auto& device : devices_) {
+      TRAINLOOP_CHECK(device.is_cpu() || device.is_cuda(), "DataParallel was given device ", device.str(),
+                      "; expected cpu or cuda devices");
+      detail::check_device_available(device);
+    }
+    TRAINLOOP_CHECK(threads_per_replica_ >= 0, "threads_per_replica is ", threads_per_replica_,
+                    "; expected 0 (automatic) or a positive number");
+  }
+};
+
+}  // namespace gpu_mode
+
+namespace detail {
+
+/// Intra-op threads each of `replicas` workers sets, or 0 to leave libtorch's choice alone.
+inline int data_parallel_threads_per_replica(const gpu_mode::DataParallel& mode, size_t replicas) {
+  if (mode.threads_per_replica() > 0) return mode.threads_per_replica();
+  if (dist::omp_num_threads_from_env()) return 0;  // the user's choice wins
+  return std::max(1, dist::usable_cpu_count() / static_cast<int>(replicas));
+}
+
+/// Text of a captured exception, without libtorch's C++ backtrace.
+inline std::string exception_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// The engine of gpu_mode::DataParallel (see the policy's documentation for the behaviour).
+template <class Module>
+class DataParallelEngine {
+ public:
+  DataParallelEngine(const gpu_mode::DataParallel& mode, std::shared_ptr<Module> module)
+      : mode_(mode), module_(std::move(module)) {
+    mode_.validate();
+    for (const auto& device : mode_.devices()) devices_.push_back(with_index(device));
+  }
+
+  bool is_main() const { return true; }
+  int64_t rank() const { return 0; }
+  int64_t world_size() const { return 1; }
+  torch::Device device() const { return devices_[0]; }
+  DataShard data_shard() const { return {}; }
+  void all_reduce_sum(torch::Tensor&) {}
+  bool any_rank(bool flag) { return flag; }
+  void barrier() {}
+
+  /// Places the model on devices[0], builds the replicas and workers once, and refreshes the
+  /// replicas from the model (which may have changed since the last fit()).
+  void prepare(torch::optim::Optimizer&) {
+    module_->to(devices_[0]);
+    ensure_started();
+    replicas_->clear_replica_gradients();
+    replicas_->copy_to_replicas(/*only_changed=*/false);
+  }
+
+  /// Forward and backward of every shard on its replica, in parallel; then sink(out) per shard, in order.
+  template <class Batch, class Forward, class Sink>
+  void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool /*synchronize*/,
+                         Sink&& sink) {
+    ensure_started();
+    const auto shards = split_batch(batch, static_cast<int64_t>(replicas_->size()));
+    const double batch_samples = static_cast<double>(batch_size_of(batch));
+    std::vector<StepOutput> outputs(shards.size());
+    try {
+      run_on_replicas(shards.size(), "training", [&](size_t r) {
+        StepOutput out = forward(replicas_->replica(r), batch_to_device(shards[r], replicas_->device(r)));
+        // Weighting by the shard's share makes the summed gradient the full batch's mean gradient.
+        const double weight = loss_scale * static_cast<double>(batch_size_of(shards[r])) / batch_samples;
+        (out.loss * weight).backward();
+        outputs[r] = std::move(out);
+      });
+    } catch (...) {
+      replicas_->clear_replica_gradients();  // no half-accumulated gradients leak into a later step
+      throw;
+    }
+    for (const auto& out : outputs) sink(out);
+  }
+
+  /// Adds every replica's gradients into the model's.
+  void before_optimizer_step() {
+    if (replicas_) replicas_->reduce_gradients_into_primary();
+  }
+  /// Copies the model's new parameters and buffers into the other replicas.
+  void after_optimizer_step() {
+    if (replicas_) replicas_->copy_to_replicas(/*only_changed=*/false);
+  }
+
+  /// Forward without gradients of every shard on its replica; then sink(out) per shard, in order.
+  template <class Batch, class Forward, class Sink>
+  void eval_batch(const Batch& batch, Forward&& forward, Sink&& sink) {
+    ensure_started();
+    torch::NoGradGuard no_grad;  // carried into the workers with the rest of this thread's state
+    const auto shards = split_batch(batch, static_cast<int64_t>(replicas_->size()));
+    std::vector<StepOutput> outputs(shards.size());
+    run_on_replicas(shards.size(), "evaluation", [&](size_t r) {
+      outputs[r] = forward(replicas_->replica(r), batch_to_device(shards[r], replicas_->device(r)));
+    });
+    for (const auto& out : outputs) sink(out);
+  }
+
+  /// Number of replicas (devices), the model included.
+  size_t replica_count() const { return devices_.size(); }
+
+ private:
+  // Measured on the 2-core development box: running replica 0 on the calling thread saves one
+  // hand-off, 2-3 us per batch (an empty 2-replica round trip took 9-12 us instead of 7-10 us),
+  // lost in the noise of whole epochs; but replica 0 would then compute with the caller's
+  // intra-op thread count. So every replica has its own worker and the caller only waits.
+  static constexpr bool kCallerRunsReplica0 = false;
+
+  /// "cuda" means the current CUDA device; name it, so every worker can select it.
+  static torch::Device with_index(const torch::Device& device) {
+    if (!device.is_cuda() || device.has_index()) return device;
+    return torch::empty({0}, torch::TensorOptions().device(device)).device();
+  }
+
+  void ensure_started() {
+    if (replicas_) {
+      replicas_->copy_to_replicas(/*only_changed=*/true);  // the model may have been changed outside fit()
+      return;
+    }
+    module_->to(devices_[0]);
+    replicas_.emplace(module_, devices_);
+    pool_ = std::make_unique<WorkerPool>(devices_.size(), kCallerRunsReplica0);
+    threads_per_replica_ = data_parallel_threads_per_replica(mode_, devices_.size());
+    set_worker_threads();
+  }
+
+  /// Gives each worker its share of the cores (see the policy's documentation).
+  void set_worker_threads() {
+#if AT_PARALLEL_OPENMP
+    const int per_replica = threads_per_replica_;
+    if (per_replica == 0) return;
+    // Reading the count first fixes this thread's own count (libtorch sets it lazily from the
+    // process-wide value, which the workers' set_num_threads changes).
+    const int caller_threads = at::get_num_threads();
+    std::mutex one_at_a_time;
+    auto errors = pool_->run(devices_.size(), [&](size_t r) {
+      if (kCallerRunsReplica0 && r == 0) return;
+      std::lock_guard<std::mutex> lock(one_at_a_time);
+      at::get_num_threads();  // the worker's lazy initialisation first, or it would undo the next line
+      at::set_num_threads(per_replica);
+    });
+    at::set_num_threads(caller_threads);  // threads started later (loader workers) keep the caller's default
+    rethrow_worker_error(errors, "setting its thread count");
+#endif
+  }
+
+  /// Runs job(r) for r < count on the workers with this thread's autograd/dispatch state and
+  /// the replica's device selected; rethrows the first failure once all have finished.
+  void run_on_replicas(size_t count, const char* stage, const std::function<void(size_t)>& job) {
+    replicas_->follow_training_mode();
+    replicas_->copy_to_replicas(/*only_changed=*/true);
+    const at::ThreadLocalState caller_state;  // grad mode, inference mode, autocast keys
+    // OpenBLAS's one process-wide pool would make concurrent replicas spin for each other's helpers.
+    const ScopedBlasThreads blas_threads(threads_per_replica_);
+    auto errors = pool_->run(count, [&](size_t r) {
+      at::ThreadLocalStateGuard same_state(caller_state);
+      c10::OptionalDeviceGuard device_guard;
+      if (replicas_->device(r).is_cuda()) device_guard.reset_device(replicas_->device(r));
+      job(r);
+    });
+    rethrow_worker_error(errors, stage);
+  }
+
+  void rethrow_worker_error(const std::vector<std::exception_ptr>& errors, const char* stage) const {
+    std::optional<size_t> first;
+    std::string others;
+    for (size_t r = 0; r < errors.size(); ++r) {
+      if (!errors[r]) continue;
+      if (!first) {
+        first = r;
+      } else {
+        others += (others.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    if (!first) return;
+    throw Error(concat("trainloop: DataParallel replica ", *first, " (device ", devices_[*first].str(), ") failed during ",
+                       stage, ": ", exception_text(errors[*first]),
+                       others.empty() ? std::string() : concat(" [replica(s) ", others, " failed too]")));
+  }
+
+  gpu_mode::DataParallel mode_;
+  std::vector<torch::Device> devices_;
+  std::shared_ptr<Module> module_;
+  int threads_per_replica_ = 0;  // intra-op threads of each worker; 0: libtorch's default
+  std::optional<ReplicaSet<Module>> replicas_;
+  std::unique_ptr<WorkerPool> pool_;  // declared last: its threads are joined before the replicas go
+};
+
+}  // namespace detail
+namespace detail {
+template <class Module, class Batch>
+inline constexpr bool engine_supports_v<DataParallelEngine<Module>, Batch> =
+    replicable_module_v<Module> && splittable_batch_v<Batch>;
+}  // namespace detail
+
+}  // namespace trainloop
