@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_data_parallel
 #include <boost/test/unit_test.hpp>
 
+#include "test_support.hpp"
+
 #include <trainloop/gpu_mode/data_parallel.hpp>
 #include <trainloop/trainloop.hpp>
 
@@ -118,15 +120,6 @@ int thread_count_settling_at(int expected) {
   for (int i = 0; i < 100 && process_thread_count() != expected; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   return process_thread_count();
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const tl::Error& e) {
-    return e.what();
-  }
-  return "no trainloop::Error thrown";
 }
 
 }  // namespace

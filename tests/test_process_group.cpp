@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_process_group
 #include <boost/test/unit_test.hpp>
 
+#include "test_support.hpp"
+
 #include <trainloop/dist/free_port.hpp>
 #include <trainloop/dist/process_group.hpp>
 
@@ -56,15 +58,6 @@ void run_ranks(int world_size, const std::function<void(dist::ProcessGroup&)>& b
   for (auto& error : errors) {
     if (error) std::rethrow_exception(error);
   }
-}
-
-std::string message_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const trainloop::Error& error) {
-    return error.what();
-  }
-  return "";
 }
 
 }  // namespace
@@ -161,7 +154,7 @@ BOOST_AUTO_TEST_CASE(unreachable_master_times_out_with_address_and_timeout) {
   auto options = options_for(/*rank=*/1, /*world_size=*/2, port);
   options.timeout = 1000ms;
   const auto start = std::chrono::steady_clock::now();
-  const std::string message = message_of([&] { dist::ProcessGroup::create(options); });
+  const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   BOOST_TEST_MESSAGE("unreachable master: " << message << " after " << seconds << " s");
   BOOST_TEST(seconds >= 0.8);  // it kept trying for about the timeout...
@@ -209,7 +202,7 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
   BOOST_REQUIRE(::listen(listener, 4) == 0);
   auto options = options_for(/*rank=*/0, /*world_size=*/2, port);
   options.timeout = 1000ms;
-  const std::string message = message_of([&] { dist::ProcessGroup::create(options); });
+  const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
   ::close(listener);
   BOOST_TEST_MESSAGE("port in use: " << message);
   BOOST_TEST(message.find("port " + std::to_string(port)) != std::string::npos);
@@ -218,16 +211,16 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
 
 BOOST_AUTO_TEST_CASE(bad_options_are_rejected_before_any_connection) {
   auto options = options_for(/*rank=*/2, /*world_size=*/2, 29500);
-  BOOST_TEST(message_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
+  BOOST_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
   options = options_for(0, 1, 0);
-  BOOST_TEST(message_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
+  BOOST_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
   options = options_for(0, 1, 29500);
   options.backend = dist::Backend::Nccl;
-  const std::string nccl = message_of([&] { dist::ProcessGroup::create(options); });
+  const std::string nccl = error_of([&] { dist::ProcessGroup::create(options); });
   BOOST_TEST(nccl.find("nccl") != std::string::npos);
   dist::ProcessGroup empty;
   BOOST_TEST(!empty.valid());
-  BOOST_TEST(message_of([&] { empty.barrier(); }).find("empty ProcessGroup") != std::string::npos);
+  BOOST_TEST(error_of([&] { empty.barrier(); }).find("empty ProcessGroup") != std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(single_rank_group_is_an_identity) {

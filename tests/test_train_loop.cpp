@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_train_loop
 #include <boost/test/unit_test.hpp>
 
+#include "test_support.hpp"
+
 #include <trainloop/trainloop.hpp>
 
 #include <cmath>
@@ -47,15 +49,6 @@ struct CountingCallback : tl::Callback {
   void on_epoch_end(tl::TrainState&, const tl::EpochRecord&) override { ++epoch_end; }
   void on_fit_end(tl::TrainState&, const tl::History&) override { ++fit_end; }
 };
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const tl::Error& e) {
-    return e.what();
-  }
-  return "no trainloop::Error thrown";
-}
 
 }  // namespace
 
