@@ -55,7 +55,7 @@ class TensorDataset
     const auto index =
         torch::from_blob(const_cast<size_t*>(indices.data()),  // NOLINT: read only
                          {static_cast<int64_t>(indices.size())}, torch::kLong)
-            .to(inputs_.device());
+            .to(inputs_.device(), /*non_blocking=*/true);  // no GPU stall per batch
     const auto target_index =
         targets_.device() == inputs_.device() ? index : index.to(targets_.device());
     return {inputs_.index_select(0, index), targets_.index_select(0, target_index)};

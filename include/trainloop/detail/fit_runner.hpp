@@ -32,17 +32,23 @@ class Stopwatch {
   std::chrono::steady_clock::time_point start_;
 };
 
-/// This process's indices of a dataset for one epoch.
+/// The sampler of this process's part of a dataset.
 /// Training shards are shuffled per epoch and padded so every rank runs the same number of steps;
 /// evaluation shards are neither, so every sample is counted exactly once over all ranks.
+inline data::ShardSampler shard_sampler(size_t dataset_size, const DataShard& shard, bool training,
+                                        const TrainLoopOptions& options) {
+  return data::ShardSampler(dataset_size, static_cast<size_t>(shard.rank), static_cast<size_t>(shard.world_size),
+                            data::ShardSamplerOptions()
+                                .shuffle(training && options.shuffle())
+                                .seed(options.seed())
+                                .pad_to_equal(training)
+                                .drop_last(false));
+}
+
+/// This process's indices of a dataset for one epoch (see shard_sampler()).
 inline std::vector<size_t> shard_indices(size_t dataset_size, const DataShard& shard, bool training,
                                          const TrainLoopOptions& options, int64_t epoch) {
-  data::ShardSampler sampler(dataset_size, static_cast<size_t>(shard.rank), static_cast<size_t>(shard.world_size),
-                             data::ShardSamplerOptions()
-                                 .shuffle(training && options.shuffle())
-                                 .seed(options.seed())
-                                 .pad_to_equal(training)
-                                 .drop_last(false));
+  auto sampler = shard_sampler(dataset_size, shard, training, options);
   sampler.set_epoch(static_cast<uint64_t>(epoch));
   return sampler.indices();
 }
@@ -75,8 +81,7 @@ class FitRunner {
     }
 
     const auto shard = engine.data_shard();
-    const int64_t shard_size =
-        static_cast<int64_t>(shard_indices(train_.size(), shard, true, options_, 0).size());
+    const int64_t shard_size = static_cast<int64_t>(shard_sampler(train_.size(), shard, true, options_).num_samples());
     const int64_t batch = options_.batch_size();
     const int64_t batches_per_epoch = options_.drop_last() ? shard_size / batch : (shard_size + batch - 1) / batch;
     TRAINLOOP_CHECK(batches_per_epoch > 0, "an epoch would have no batch: ", shard_size,
@@ -144,8 +149,9 @@ class FitRunner {
         if (out.output.defined() && out.target.defined()) sums.add_outputs(out.output, out.target);
       });
     }
-    engine.all_reduce_sum(sums.totals());
-    auto values = sums.compute(sums.totals());
+    auto totals = sums.packed_totals();
+    engine.all_reduce_sum(totals);
+    auto values = sums.compute(totals);
     module_.train(was_training);
     return EvalResult{values.loss, values.samples, values.metrics};
   }
@@ -200,8 +206,9 @@ class FitRunner {
       if (state.step >= state.planned_steps) break;
     }
 
-    engine.all_reduce_sum(sums.totals());
-    auto values = sums.compute(sums.totals());
+    auto totals = sums.packed_totals();
+    engine.all_reduce_sum(totals);
+    auto values = sums.compute(totals);
     EpochRecord record;
     record.epoch = state.epoch;
     record.steps = state.step - steps_before;

@@ -30,9 +30,10 @@ class MetricAccumulator {
   }
 
   /// Adds a batch's mean loss, weighted by its sample count (so uneven batches stay exact).
+  /// The sample count stays on the host until packed_totals() is read: one kernel less per batch.
   void add_loss(const torch::Tensor& mean_loss, int64_t batch_samples) {
-    totals_[0] += mean_loss.detach().to(device_, torch::kFloat64) * static_cast<double>(batch_samples);
-    totals_[1] += static_cast<double>(batch_samples);
+    totals_.narrow(0, 0, 1).add_(mean_loss.detach().to(device_, torch::kFloat64).reshape({1}),
+                                 static_cast<double>(batch_samples));
     samples_ += batch_samples;
   }
 
@@ -53,13 +54,16 @@ class MetricAccumulator {
 
   /// Mean loss so far on this process; synchronises with the device, so call it sparingly.
   double running_loss() const {
-    auto t = totals_.narrow(0, 0, 2).to(torch::kCPU);
-    double n = t[1].item<double>();
-    return n > 0 ? t[0].item<double>() / n : 0.0;
+    return samples_ > 0 ? totals_[0].item<double>() / static_cast<double>(samples_) : 0.0;
   }
 
-  /// The packed totals, for reduction across replicas or ranks.
-  torch::Tensor& totals() { return totals_; }
+  /// A copy of the totals (loss sum, sample count, metric statistics) to reduce across ranks
+  /// and pass to compute().
+  torch::Tensor packed_totals() const {
+    auto packed = totals_.clone();
+    packed[1].fill_(static_cast<double>(samples_));
+    return packed;
+  }
 
   /// Values from (possibly reduced) totals.
   MetricValues compute(const torch::Tensor& totals) const {
