@@ -1,0 +1,138 @@
+#pragma once
+/// @file
+/// @brief Pieces shared by the benchmarks: order statistics, the Fashion-MNIST subset, the wide
+/// MLP whose gradients make communication dominate, and the hand-written libtorch loop that
+/// TrainLoop is measured against.
+
+#include <trainloop/trainloop.hpp>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace bench {
+
+/// @brief The median of `values` (the mean of the two middle ones for an even count); 0 when empty.
+inline double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const size_t m = values.size() / 2;
+  return values.size() % 2 == 1 ? values[m] : 0.5 * (values[m - 1] + values[m]);
+}
+
+/// @brief The `p`-th percentile (0..100) of `values`, interpolated linearly between the closest
+/// ranks (NumPy's default); 0 when empty.
+inline double percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const double position = std::clamp(p, 0.0, 100.0) / 100.0 * static_cast<double>(values.size() - 1);
+  const auto below = static_cast<size_t>(std::floor(position));
+  const size_t above = std::min(below + 1, values.size() - 1);
+  const double fraction = position - static_cast<double>(below);
+  return values[below] + fraction * (values[above] - values[below]);
+}
+
+/// @brief Inputs and targets of one workload, on one device.
+struct TensorPair {
+  torch::Tensor inputs;
+  torch::Tensor targets;
+};
+
+/// @brief A fixed random subset of `samples` images of the real Fashion-MNIST training split,
+/// stored in that random order (so no loop needs to shuffle): inputs (N, 1, 28, 28) float,
+/// targets (N) int64, both on `device`. The same seed gives the same subset in every process.
+/// @throws trainloop::Error when `samples` is not in [1, 60000] or the files are missing.
+inline TensorPair fashion_mnist_subset(const std::string& data_dir, int64_t samples, uint64_t seed,
+                                       const torch::Device& device) {
+  using trainloop::data::FashionMNIST;
+  FashionMNIST train(FashionMNIST::Split::Train, data_dir);
+  const int64_t available = train.inputs().size(0);
+  TRAINLOOP_CHECK(samples >= 1 && samples <= available, "--samples is ", samples, "; expected 1 to ", available,
+                  " (the size of the Fashion-MNIST training split)");
+  auto generator = at::detail::createCPUGenerator(seed);
+  const auto pick = torch::randperm(available, generator, torch::kLong).narrow(0, 0, samples);
+  return {train.inputs().index_select(0, pick).contiguous().to(device),
+          train.targets().index_select(0, pick).contiguous().to(device)};
+}
+
+/// @brief Synthetic MLP data: `samples` rows of 784 N(0,1) features and labels in [0, 10), drawn
+/// from their own generators (the same in every process, whatever ran before).
+inline TensorPair synthetic_mlp_data(int64_t samples, uint64_t seed, const torch::Device& device) {
+  auto x = torch::randn({samples, 784}, at::detail::createCPUGenerator(seed + 1));
+  auto y = torch::randint(0, 10, {samples}, at::detail::createCPUGenerator(seed + 2));
+  return {x.to(device), y.to(device)};
+}
+
+/// @brief A wide MLP 784 -> 1024 -> 1024 -> 10 (ReLU), ~1.86 M parameters: 7.5 MB of gradients
+/// per step against little compute, so gradient communication is a large share of a step.
+struct WideMlpImpl : torch::nn::Module {
+  WideMlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(784, 1024))),
+        fc2(register_module("fc2", torch::nn::Linear(1024, 1024))),
+        fc3(register_module("fc3", torch::nn::Linear(1024, 10))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(WideMlp);
+
+/// @brief Waits for queued device work, so a host timestamp means the work is done (CUDA only).
+inline void wait_for_device(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+/// @brief What one pass of the hand-written loop measured.
+struct HandPass {
+  double seconds = 0.0;             ///< wall time of the pass
+  int64_t samples = 0;              ///< samples trained on
+  double mean_loss = 0.0;           ///< mean training loss per sample
+  std::vector<double> step_seconds;  ///< wall time of each step (batch slicing to optimizer step)
+  double samples_per_second() const { return seconds > 0 ? static_cast<double>(samples) / seconds : 0.0; }
+};
+
+/// @brief The loop a competent libtorch user writes by hand, as the baseline: contiguous batches
+/// by narrow() (views, no copy), cross-entropy, one optimizer step per batch, the loss summed on
+/// the device and read once at the end. The model must already be on the tensors' device.
+/// @param max_batches batches to run; < 0 for one whole pass over `data`.
+template <class Model>
+HandPass hand_written_pass(Model& net, torch::optim::Optimizer& optimizer, const TensorPair& data, int64_t batch_size,
+                           int64_t max_batches = -1) {
+  using Clock = std::chrono::steady_clock;
+  const torch::Device device = data.inputs.device();
+  const int64_t n = data.inputs.size(0);
+  const int64_t batches = (n + batch_size - 1) / batch_size;
+  const int64_t run_batches = max_batches < 0 ? batches : std::min(batches, max_batches);
+  HandPass pass;
+  pass.step_seconds.reserve(static_cast<size_t>(run_batches));
+
+  net->train();
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device));
+  const auto start = Clock::now();
+  auto step_start = start;
+  for (int64_t b = 0; b < run_batches; ++b) {
+    const int64_t first = b * batch_size;
+    const int64_t count = std::min(batch_size, n - first);
+    auto input = data.inputs.narrow(0, first, count);
+    auto target = data.targets.narrow(0, first, count);
+    optimizer.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(input), target);
+    loss.backward();
+    optimizer.step();
+    loss_sum += loss.detach() * static_cast<double>(count);
+    pass.samples += count;
+    wait_for_device(device);
+    const auto now = Clock::now();
+    pass.step_seconds.push_back(std::chrono::duration<double>(now - step_start).count());
+    step_start = now;
+  }
+  pass.mean_loss = loss_sum.item<double>() / static_cast<double>(std::max<int64_t>(1, pass.samples));
+  pass.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return pass;
+}
+
+}  // namespace bench
