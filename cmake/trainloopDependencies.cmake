@@ -1,21 +1,70 @@
 # Finds trainloop's dependencies and attaches them to a target. Shared by the build tree and by
-# the installed package config, so a consumer gets exactly what the tests were built with.
+# the installed package config (installed next to trainloopConfig.cmake), so a consumer gets
+# exactly what the tests were built with — decided against the libtorch the *consumer* finds,
+# which matters for a header-only library: one installed copy serves a CPU and a CUDA libtorch.
 include(CMakeFindDependencyMacro)
 
+# A macro, not a function: inside trainloopConfig.cmake find_dependency() must be able to
+# return() from the config file (with trainloop_FOUND false and a message) when a dependency is
+# missing, and the variables Torch's config sets (CAFFE2_USE_CUDA, ...) must reach the caller.
 macro(trainloop_find_dependencies)
   find_dependency(Threads)
   find_dependency(ZLIB)
   find_dependency(range-v3)
   find_dependency(Torch)
 endmacro()
-trainloop_find_dependencies()
 
-function(trainloop_link_dependencies target)
-  target_link_libraries(${target} INTERFACE ${TORCH_LIBRARIES} range-v3::range-v3 ZLIB::ZLIB Threads::Threads)
-  # TorchConfig.cmake defines neither c10d backend macro, yet ProcessGroupGloo.hpp and
-  # ProcessGroupNCCL.hpp are empty without them.
-  target_compile_definitions(${target} INTERFACE USE_C10D_GLOO)
-  if(TORCH_CUDA_LIBRARIES OR CUDA_FOUND)
-    target_compile_definitions(${target} INTERFACE USE_C10D_NCCL TRAINLOOP_WITH_CUDA=1)
+# Whether the libtorch found is a CUDA build. TorchConfig.cmake sets TORCH_CUDA_LIBRARIES (and
+# Caffe2Config.cmake sets CAFFE2_USE_CUDA) only in CUDA builds; the torch_cuda target is the
+# CUDA half of libtorch. Anything else (CUDA_FOUND, a CUDA toolkit on the machine) says nothing
+# about libtorch: Debian's CPU-only libtorch coexists with /usr/local/cuda here.
+function(trainloop_torch_has_cuda out_var)
+  if(CAFFE2_USE_CUDA OR TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
+    set(${out_var} TRUE PARENT_SCOPE)
+  else()
+    set(${out_var} FALSE PARENT_SCOPE)
   endif()
 endfunction()
+
+# Attaches libtorch, range-v3, zlib, threads and the c10d definitions to `target`.
+#
+# On trainloop's own (non-imported) target everything is wrapped in $<BUILD_INTERFACE:...>:
+# ${TORCH_LIBRARIES} holds absolute paths (libc10.so, CUDA libraries) that must not be frozen
+# into the exported trainloopTargets.cmake. The installed config calls this function again on
+# the imported trainloop::trainloop after re-finding Torch, so the installed interface is
+# rebuilt from the consumer's libtorch and stays relocatable. TORCH_CXX_FLAGS
+# (-D_GLIBCXX_USE_CXX11_ABI=...) reaches consumers as the `torch` target's
+# INTERFACE_COMPILE_OPTIONS.
+function(trainloop_link_dependencies target)
+  get_target_property(imported ${target} IMPORTED)
+  set(libraries ${TORCH_LIBRARIES} range-v3::range-v3 ZLIB::ZLIB Threads::Threads)
+  # TorchConfig.cmake defines neither c10d backend macro, yet ProcessGroupGloo.hpp and
+  # ProcessGroupNCCL.hpp are empty without them.
+  set(definitions USE_C10D_GLOO)
+  trainloop_torch_has_cuda(has_cuda)
+  if(has_cuda)
+    list(APPEND definitions USE_C10D_NCCL TRAINLOOP_WITH_CUDA=1)
+  endif()
+
+  if(imported)
+    # find_package(trainloop) twice in one directory re-includes the config; attach once.
+    get_target_property(existing ${target} INTERFACE_COMPILE_DEFINITIONS)
+    if(existing AND "USE_C10D_GLOO" IN_LIST existing)
+      return()
+    endif()
+  else()
+    list(TRANSFORM libraries REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
+    list(TRANSFORM definitions REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
+  endif()
+  target_link_libraries(${target} INTERFACE ${libraries})
+  target_compile_definitions(${target} INTERFACE ${definitions})
+endfunction()
+
+# In trainloop's own build a missing dependency is a configure error. (In the installed config
+# the macro above runs instead, so find_package(trainloop) reports it the standard way.)
+if(NOT TRAINLOOP_LOADING_PACKAGE_CONFIG)
+  find_package(Threads REQUIRED)
+  find_package(ZLIB REQUIRED)
+  find_package(range-v3 REQUIRED)
+  find_package(Torch REQUIRED)
+endif()

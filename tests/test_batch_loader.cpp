@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <numeric>
+#include <ranges>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -96,6 +97,10 @@ std::vector<torch::data::Example<>> drain(Loader& loader) {
 }
 
 }  // namespace
+
+// Range-for and std::ranges algorithms both accept the loader.
+static_assert(std::input_iterator<BatchLoader<TensorDataset>::iterator>);
+static_assert(std::ranges::input_range<BatchLoader<TensorDataset>&>);
 
 BOOST_AUTO_TEST_CASE(batches_come_in_order_with_a_partial_last_batch) {
   auto dataset = numbered_dataset(10);

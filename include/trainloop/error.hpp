@@ -13,6 +13,7 @@ namespace trainloop {
 /// The message names the offending value and what was expected instead.
 class Error : public std::runtime_error {
  public:
+  /// @brief An error with its complete, user-facing message.
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 

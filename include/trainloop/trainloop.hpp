@@ -2,8 +2,11 @@
 /// @file
 /// @brief The umbrella header: everything a trainloop user needs.
 
+/// Major version: changes break the API.
 #define TRAINLOOP_VERSION_MAJOR 0
+/// Minor version: additions.
 #define TRAINLOOP_VERSION_MINOR 1
+/// Patch version: fixes.
 #define TRAINLOOP_VERSION_PATCH 0
 /// The version as one number: major * 10000 + minor * 100 + patch.
 #define TRAINLOOP_VERSION (TRAINLOOP_VERSION_MAJOR * 10000 + TRAINLOOP_VERSION_MINOR * 100 + TRAINLOOP_VERSION_PATCH)

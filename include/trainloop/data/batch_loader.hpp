@@ -166,19 +166,25 @@ class BatchLoader {
   /// @brief Input iterator over the remaining batches; copies share the loader's position.
   class iterator {
    public:
-    using iterator_category = std::input_iterator_tag;
-    using value_type = batch_type;
-    using difference_type = std::ptrdiff_t;
-    using reference = batch_type&;
+    using iterator_category = std::input_iterator_tag;  ///< single pass
+    using value_type = batch_type;                       ///< a batch
+    using difference_type = std::ptrdiff_t;              ///< required by std::input_iterator
+    using reference = batch_type&;                       ///< the batch, owned by the loader
 
+    /// @brief A detached iterator; equal to end().
     iterator() = default;
+    /// @brief The current batch (valid until the next increment).
     reference operator*() const { return *loader_->current_; }
+    /// @brief Member access to the current batch.
     batch_type* operator->() const { return &*loader_->current_; }
+    /// @brief Loads (or takes from the prefetch queue) the next batch.
     iterator& operator++() {
       loader_->advance();
       return *this;
     }
+    /// @brief Same as prefix increment (input iterators return nothing useful here).
     void operator++(int) { ++*this; }
+    /// @brief True once the pass is over.
     friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.at_end(); }
 
    private:

@@ -39,8 +39,8 @@ class FashionMNIST : public TensorDataset {
 
   static constexpr double kMean = 0.2860;  ///< mean pixel of the training split, in [0,1] units
   static constexpr double kStd = 0.3530;   ///< pixel std of the training split, in [0,1] units
-  static constexpr int64_t kNumClasses = 10;
-  static constexpr int64_t kImageSize = 28;
+  static constexpr int64_t kNumClasses = 10;  ///< labels are in [0, 10)
+  static constexpr int64_t kImageSize = 28;   ///< images are kImageSize x kImageSize
 
   /// @brief Loads `split` from `options.root()`.
   /// @throws trainloop::Error when a file is missing (naming the full path and the Debian

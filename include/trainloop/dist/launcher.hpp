@@ -101,13 +101,13 @@ struct RankProcess {
   int rank = 0;        ///< global rank
   int local_rank = 0;  ///< rank on this node
   pid_t pid = -1;      ///< process id (stays set after the process was reaped)
-  bool running = false;
+  bool running = false;                 ///< spawned and not yet reaped
   bool exited = false;                  ///< reaped; exit_code or signal says how it ended
   int exit_code = -1;                   ///< exit status when it exited normally, else -1
   int signal = 0;                       ///< terminating signal when killed, else 0
   bool stopped_by_launcher = false;     ///< it was still running when the launcher stopped all
   double wall_seconds = 0.0;            ///< spawn to reap
-  std::chrono::steady_clock::time_point started{};
+  std::chrono::steady_clock::time_point started{};  ///< when it was spawned
 
   /// True when the rank exited with status 0.
   bool succeeded() const { return exited && signal == 0 && exit_code == 0; }
@@ -229,6 +229,7 @@ class Launcher {
   int master_port() const { return master_port_; }
   /// The ranks started so far, in local-rank order, with pids and outcomes (also after a throw).
   const std::vector<RankProcess>& ranks() const { return ranks_; }
+  /// The options the launcher was built with.
   const LaunchOptions& options() const { return options_; }
 
  private:

@@ -52,15 +52,15 @@ inline std::string_view to_string(RankEnvSource source) {
 
 /// Names of the variables our launcher gives each rank it spawns.
 namespace env_names {
-inline constexpr const char* rank = "TRAINLOOP_RANK";
-inline constexpr const char* world_size = "TRAINLOOP_WORLD_SIZE";
-inline constexpr const char* local_rank = "TRAINLOOP_LOCAL_RANK";
-inline constexpr const char* local_world_size = "TRAINLOOP_LOCAL_WORLD_SIZE";
-inline constexpr const char* node_rank = "TRAINLOOP_NODE_RANK";
-inline constexpr const char* master_addr = "TRAINLOOP_MASTER_ADDR";
-inline constexpr const char* master_port = "TRAINLOOP_MASTER_PORT";
-inline constexpr const char* run_dir = "TRAINLOOP_RUN_DIR";
-inline constexpr const char* launcher_pid = "TRAINLOOP_LAUNCHER_PID";
+inline constexpr const char* rank = "TRAINLOOP_RANK";                          ///< global rank
+inline constexpr const char* world_size = "TRAINLOOP_WORLD_SIZE";              ///< number of ranks
+inline constexpr const char* local_rank = "TRAINLOOP_LOCAL_RANK";              ///< rank on this node
+inline constexpr const char* local_world_size = "TRAINLOOP_LOCAL_WORLD_SIZE";  ///< ranks on this node
+inline constexpr const char* node_rank = "TRAINLOOP_NODE_RANK";                ///< index of this node
+inline constexpr const char* master_addr = "TRAINLOOP_MASTER_ADDR";            ///< host of the rendezvous store
+inline constexpr const char* master_port = "TRAINLOOP_MASTER_PORT";            ///< port of the rendezvous store
+inline constexpr const char* run_dir = "TRAINLOOP_RUN_DIR";                    ///< directory shared by launcher and ranks
+inline constexpr const char* launcher_pid = "TRAINLOOP_LAUNCHER_PID";          ///< pid of the launching process
 }  // namespace env_names
 
 /// Where this process sits in a distributed job, and how to reach rank 0's store.
