@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_gradient_reducer
 #include <boost/test/unit_test.hpp>
 
+#include "thread_ranks.hpp"
+
 #include <trainloop/dist/free_port.hpp>
 #include <trainloop/dist/gradient_reducer.hpp>
 #include <trainloop/dist/model_sync.hpp>
@@ -22,37 +24,6 @@ struct OneThreadPerRank {
   OneThreadPerRank() { torch::set_num_threads(1); }
 };
 BOOST_TEST_GLOBAL_FIXTURE(OneThreadPerRank);
-
-/// Runs `body(group)` on `world_size` thread-ranks (own store client and Gloo backend each);
-/// returns each rank's exception (null when it succeeded).
-std::vector<std::exception_ptr> run_ranks_collecting(int world_size, const std::function<void(dist::ProcessGroup&)>& body) {
-  const int port = dist::find_free_port();
-  std::vector<std::exception_ptr> errors(world_size);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        dist::ProcessGroupOptions options;
-        options.rank = rank;
-        options.world_size = world_size;
-        options.master_port = port;
-        options.timeout = 10s;
-        dist::ProcessGroup group = dist::ProcessGroup::create(options);
-        body(group);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  return errors;
-}
-
-void run_ranks(int world_size, const std::function<void(dist::ProcessGroup&)>& body) {
-  for (auto& error : run_ranks_collecting(world_size, body)) {
-    if (error) std::rethrow_exception(error);
-  }
-}
 
 /// Linear 10→32→32→4, plus a parameter the forward never uses. `unused` is registered first, so
 /// it lands in the last bucket (buckets follow reverse registration order) and the other

@@ -2,6 +2,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include "test_support.hpp"
+#include "thread_ranks.hpp"
 
 #include <trainloop/dist/free_port.hpp>
 #include <trainloop/dist/process_group.hpp>
@@ -28,37 +29,6 @@ struct OneThreadPerRank {
   OneThreadPerRank() { torch::set_num_threads(1); }
 };
 BOOST_TEST_GLOBAL_FIXTURE(OneThreadPerRank);
-
-dist::ProcessGroupOptions options_for(int rank, int world_size, int port) {
-  dist::ProcessGroupOptions options;
-  options.rank = rank;
-  options.world_size = world_size;
-  options.master_port = port;
-  options.backend = dist::Backend::Gloo;
-  options.timeout = 10s;
-  return options;
-}
-
-/// Runs `body(group)` on `world_size` thread-ranks; rethrows the first rank's failure.
-void run_ranks(int world_size, const std::function<void(dist::ProcessGroup&)>& body) {
-  const int port = dist::find_free_port();
-  std::vector<std::exception_ptr> errors(world_size);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        dist::ProcessGroup group = dist::ProcessGroup::create(options_for(rank, world_size, port));
-        body(group);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  for (auto& error : errors) {
-    if (error) std::rethrow_exception(error);
-  }
-}
 
 }  // namespace
 
@@ -151,7 +121,7 @@ BOOST_AUTO_TEST_SUITE(errors)
 
 BOOST_AUTO_TEST_CASE(unreachable_master_times_out_with_address_and_timeout) {
   const int port = dist::find_free_port();  // nobody listens there
-  auto options = options_for(/*rank=*/1, /*world_size=*/2, port);
+  auto options = thread_rank_options(/*rank=*/1, /*world_size=*/2, port);
   options.timeout = 1000ms;
   const auto start = std::chrono::steady_clock::now();
   const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
@@ -172,7 +142,7 @@ BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) 
     ranks.emplace_back([&, rank] {
       try {
         if (rank == 0) std::this_thread::sleep_for(400ms);  // server comes up late
-        auto options = options_for(rank, 2, port);
+        auto options = thread_rank_options(rank, 2, port);
         options.timeout = 1500ms;
         dist::ProcessGroup group = dist::ProcessGroup::create(options);
         torch::Tensor x = torch::full({1}, rank + 1.0);
@@ -200,7 +170,7 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
   address.sin_addr.s_addr = htonl(INADDR_ANY);
   BOOST_REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
   BOOST_REQUIRE(::listen(listener, 4) == 0);
-  auto options = options_for(/*rank=*/0, /*world_size=*/2, port);
+  auto options = thread_rank_options(/*rank=*/0, /*world_size=*/2, port);
   options.timeout = 1000ms;
   const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
   ::close(listener);
@@ -210,11 +180,11 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
 }
 
 BOOST_AUTO_TEST_CASE(bad_options_are_rejected_before_any_connection) {
-  auto options = options_for(/*rank=*/2, /*world_size=*/2, 29500);
+  auto options = thread_rank_options(/*rank=*/2, /*world_size=*/2, 29500);
   BOOST_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
-  options = options_for(0, 1, 0);
+  options = thread_rank_options(0, 1, 0);
   BOOST_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
-  options = options_for(0, 1, 29500);
+  options = thread_rank_options(0, 1, 29500);
   options.backend = dist::Backend::Nccl;
   const std::string nccl = error_of([&] { dist::ProcessGroup::create(options); });
   BOOST_TEST(nccl.find("nccl") != std::string::npos);
@@ -224,7 +194,7 @@ BOOST_AUTO_TEST_CASE(bad_options_are_rejected_before_any_connection) {
 }
 
 BOOST_AUTO_TEST_CASE(single_rank_group_is_an_identity) {
-  auto options = options_for(0, 1, dist::find_free_port());
+  auto options = thread_rank_options(0, 1, dist::find_free_port());
   dist::ProcessGroup group = dist::ProcessGroup::create(options);
   torch::Tensor x = torch::tensor({1.5, -2.0});
   group.all_reduce_sum(x);
