@@ -68,9 +68,14 @@ class ProgressBar : public Callback {
   static std::string epoch_label(const TrainState& state) {
     return "epoch " + std::to_string(state.epoch) + "/" + std::to_string(state.planned_epochs);
   }
-  static std::string bar(int64_t done, int64_t total, int width = 24) {
-    const int filled = total > 0 ? static_cast<int>(width * done / total) : width;
-    return "[" + std::string(filled, '=') + std::string(width - filled, ' ') + "]";
+  static std::string bar(int64_t done, int64_t total) {
+    constexpr size_t width = 24;
+    const auto filled = static_cast<size_t>(std::clamp<int64_t>(total > 0 ? 24 * done / total : 24, 0, 24));
+    std::string text(width + 2, ' ');
+    text.front() = '[';
+    text.back() = ']';
+    std::fill_n(text.begin() + 1, filled, '=');
+    return text;
   }
   static double rate(const TrainState& state) {
     return state.epoch_seconds > 0 ? static_cast<double>(state.epoch_samples) / state.epoch_seconds : 0.0;
