@@ -5,6 +5,8 @@
 // libtorch: a binary linked to libtorch takes about a second to start on the test machine, this
 // one a few milliseconds, which keeps the many launches in test_launcher fast.
 
+#include "test_support.hpp"
+
 #include <trainloop/dist/rank_env.hpp>
 #include <trainloop/dist/spawned_rank.hpp>
 
@@ -26,17 +28,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::string env_or(const char* name, const std::string& fallback = "") {
-  const char* value = std::getenv(name);
-  return value ? value : fallback;
-}
-
-void write_file(const fs::path& path, const std::string& text) {
-  fs::path temporary = path;
-  temporary += ".tmp";
-  { std::ofstream(temporary) << text; }
-  fs::rename(temporary, path);  // the test never sees half a file
-}
 
 void run_scenario(const dist::RankEnv& env) {
   const std::string scenario = env_or("TL_TEST_SCENARIO");

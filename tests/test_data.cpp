@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_data
 #include <boost/test/unit_test.hpp>
 
+#include "test_support.hpp"
+
 #include <trainloop/data/fashion_mnist.hpp>
 #include <trainloop/data/idx_reader.hpp>
 #include <trainloop/data/tensor_dataset.hpp>
@@ -25,17 +27,6 @@ namespace {
 
 const fs::path kDebianDir = "/usr/share/datasets/fashion-mnist";
 
-/// Runs `action`, which must throw trainloop::Error, and returns its message.
-template <class Action>
-std::string error_message(Action&& action) {
-  try {
-    action();
-  } catch (const trainloop::Error& error) {
-    return error.what();
-  }
-  BOOST_FAIL("expected a trainloop::Error");
-  return {};
-}
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -103,13 +94,13 @@ BOOST_AUTO_TEST_CASE(tensor_dataset_get_batch_returns_exactly_the_selected_rows)
 }
 
 BOOST_AUTO_TEST_CASE(tensor_dataset_rejects_mismatched_or_empty_tensors) {
-  const auto message = error_message(
+  const auto message = error_of(
       [] { TensorDataset(torch::zeros({10, 2}), torch::zeros({9}, torch::kLong)); });
   BOOST_TEST(contains(message, "10"));
   BOOST_TEST(contains(message, "9"));
-  BOOST_TEST(contains(error_message([] { TensorDataset(torch::zeros({0, 2}), torch::zeros({0})); }),
+  BOOST_TEST(contains(error_of([] { TensorDataset(torch::zeros({0, 2}), torch::zeros({0})); }),
                       "0 samples"));
-  BOOST_TEST(contains(error_message([] { TensorDataset(torch::Tensor(), torch::zeros({3})); }),
+  BOOST_TEST(contains(error_of([] { TensorDataset(torch::Tensor(), torch::zeros({3})); }),
                       "undefined inputs"));
 }
 
@@ -117,16 +108,16 @@ BOOST_AUTO_TEST_CASE(tensor_dataset_label_range_error_names_value_index_and_rang
   auto labels = torch::arange(10, torch::kInt64).remainder(10);
   labels[7] = 12;
   const auto message =
-      error_message([&] { TensorDataset(torch::zeros({10, 2}), labels, /*num_classes=*/10); });
+      error_of([&] { TensorDataset(torch::zeros({10, 2}), labels, /*num_classes=*/10); });
   BOOST_TEST(contains(message, "label 12"), message);
   BOOST_TEST(contains(message, "index 7"), message);
   BOOST_TEST(contains(message, "[0, 10)"), message);
 
   labels[7] = 3;
   labels[2] = -1;
-  BOOST_TEST(contains(error_message([&] { TensorDataset(torch::zeros({10, 2}), labels, 10); }),
+  BOOST_TEST(contains(error_of([&] { TensorDataset(torch::zeros({10, 2}), labels, 10); }),
                       "label -1 at index 2"));
-  BOOST_TEST(contains(error_message([] {
+  BOOST_TEST(contains(error_of([] {
                         TensorDataset(torch::zeros({4, 2}), torch::zeros({4}), 10);
                       }),
                       "integer"));
@@ -136,9 +127,9 @@ BOOST_AUTO_TEST_CASE(tensor_dataset_label_range_error_names_value_index_and_rang
 BOOST_AUTO_TEST_CASE(tensor_dataset_rejects_an_out_of_range_batch_index) {
   TensorDataset dataset(torch::zeros({5, 2}), torch::zeros({5}));
   const std::vector<size_t> bad{1, 5};
-  const auto message = error_message([&] { dataset.get_batch(bad); });
+  const auto message = error_of([&] { dataset.get_batch(bad); });
   BOOST_TEST(contains(message, "index 5"), message);
-  BOOST_TEST(contains(error_message([&] { dataset.get(7); }), "index 7"));
+  BOOST_TEST(contains(error_of([&] { dataset.get(7); }), "index 7"));
 }
 
 // ---------------------------------------------------------------- IDX reader
@@ -171,7 +162,7 @@ BOOST_AUTO_TEST_CASE(idx_reader_names_the_file_on_wrong_magic_and_extra_bytes) {
   TempDir dir;
   const auto labels = dir.path / "labels.gz";
   write_gzip(labels, idx_labels({1, 2, 3}));
-  const auto message = error_message(
+  const auto message = error_of(
       [&] { trainloop::data::read_idx(labels, trainloop::data::kIdxImagesMagic); });
   BOOST_TEST(contains(message, labels.string()), message);
   BOOST_TEST(contains(message, "magic number 2049; expected 2051"), message);
@@ -179,7 +170,7 @@ BOOST_AUTO_TEST_CASE(idx_reader_names_the_file_on_wrong_magic_and_extra_bytes) {
   auto too_long = idx_labels({1, 2, 3});
   too_long.push_back(4);
   write_gzip(labels, too_long);
-  BOOST_TEST(contains(error_message([&] { trainloop::data::read_idx(labels); }), "more bytes"));
+  BOOST_TEST(contains(error_of([&] { trainloop::data::read_idx(labels); }), "more bytes"));
 }
 
 // ---------------------------------------------------------------- Fashion-MNIST
@@ -221,7 +212,7 @@ BOOST_AUTO_TEST_CASE(fashion_mnist_test_split_unnormalized_pixels_are_in_unit_ra
 
 BOOST_AUTO_TEST_CASE(fashion_mnist_missing_directory_names_path_and_debian_package) {
   const fs::path missing = "/nonexistent/trainloop-fmnist";
-  const auto message = error_message([&] {
+  const auto message = error_of([&] {
     FashionMNIST(FashionMNIST::Split::Train, trainloop::data::FashionMNISTOptions().root(missing));
   });
   BOOST_TEST(contains(message, (missing / "train-images-idx3-ubyte.gz").string()), message);
@@ -240,7 +231,7 @@ BOOST_AUTO_TEST_CASE(fashion_mnist_truncated_gzip_names_the_file_and_what_was_ex
     in.read(head.data(), static_cast<std::streamsize>(head.size()));
     std::ofstream(images, std::ios::binary).write(head.data(), in.gcount());
   }
-  const auto message = error_message([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
+  const auto message = error_of([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
   BOOST_TEST(contains(message, images.string()), message);
   BOOST_TEST(contains(message, "truncated or corrupt"), message);
   BOOST_TEST(contains(message, "of 7840000 bytes"), message);
@@ -251,7 +242,7 @@ BOOST_AUTO_TEST_CASE(fashion_mnist_truncated_gzip_names_the_file_and_what_was_ex
   fs::copy_file(kDebianDir / "t10k-images-idx3-ubyte.gz", images,
                 fs::copy_options::overwrite_existing);
   fs::resize_file(images, full - 4);
-  const auto trailer = error_message([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
+  const auto trailer = error_of([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
   BOOST_TEST(contains(trailer, images.string()), trailer);
   BOOST_TEST(contains(trailer, "gzip trailer"), trailer);
 
@@ -264,7 +255,7 @@ BOOST_AUTO_TEST_CASE(fashion_mnist_truncated_gzip_names_the_file_and_what_was_ex
     patch.seekp(static_cast<std::streamoff>(full) - 6);
     patch.put('\x5a');
   }
-  const auto crc = error_message([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
+  const auto crc = error_of([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
   BOOST_TEST(contains(crc, images.string()), crc);
   BOOST_TEST(contains(crc, "incorrect data check"), crc);
 }
@@ -274,14 +265,14 @@ BOOST_AUTO_TEST_CASE(fashion_mnist_rejects_bad_labels_and_count_mismatch) {
   fs::copy_file(kDebianDir / "t10k-images-idx3-ubyte.gz", dir.path / "t10k-images-idx3-ubyte.gz");
   const auto labels = dir.path / "t10k-labels-idx1-ubyte.gz";
   write_gzip(labels, idx_labels({1, 2, 3}));
-  const auto mismatch = error_message([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
+  const auto mismatch = error_of([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
   BOOST_TEST(contains(mismatch, "10000 images"), mismatch);
   BOOST_TEST(contains(mismatch, "3 labels"), mismatch);
 
   std::vector<unsigned char> values(10000, 4);
   values[1234] = 10;
   write_gzip(labels, idx_labels(values));
-  const auto bad = error_message([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
+  const auto bad = error_of([&] { FashionMNIST(FashionMNIST::Split::Test, dir.path); });
   BOOST_TEST(contains(bad, labels.string()), bad);
   BOOST_TEST(contains(bad, "label 10 at index 1234"), bad);
 }

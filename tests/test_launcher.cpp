@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_launcher
 #include <boost/test/unit_test.hpp>
 
+#include "test_support.hpp"
+
 #include <trainloop/dist/launcher.hpp>
 
 #include <chrono>
@@ -33,17 +35,6 @@ extern char** environ;
 
 namespace {
 
-std::string env_or(const char* name, const std::string& fallback = "") {
-  const char* value = std::getenv(name);
-  return value ? value : fallback;
-}
-
-void write_file(const fs::path& path, const std::string& text) {
-  fs::path temporary = path;
-  temporary += ".tmp";
-  { std::ofstream(temporary) << text; }
-  fs::rename(temporary, path);  // readers never see half a file
-}
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path);

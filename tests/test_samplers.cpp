@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_samplers
 #include <boost/test/unit_test.hpp>
 
+#include "test_support.hpp"
+
 #include <trainloop/data/shard_sampler.hpp>
 
 #include <algorithm>
@@ -31,16 +33,6 @@ std::vector<size_t> occurrences(const std::vector<std::vector<size_t>>& shards, 
   return count;
 }
 
-template <class Action>
-std::string error_message(Action&& action) {
-  try {
-    action();
-  } catch (const trainloop::Error& error) {
-    return error.what();
-  }
-  BOOST_FAIL("expected a trainloop::Error");
-  return {};
-}
 
 const std::vector<size_t> kSizes{97, 99, 10};
 const std::vector<size_t> kWorlds{1, 2, 3};
@@ -170,15 +162,15 @@ BOOST_AUTO_TEST_CASE(sequential_sampler_is_the_identity) {
 }
 
 BOOST_AUTO_TEST_CASE(invalid_configurations_are_rejected_with_the_values) {
-  BOOST_TEST(error_message([] { ShardSampler(3, 0, 4); }) ==
+  BOOST_TEST(error_of([] { ShardSampler(3, 0, 4); }) ==
              "trainloop: world size 4 is larger than the dataset (3 samples); expected at least "
              "one training sample per rank");
-  BOOST_TEST(error_message([] { ShardSampler(3, 0, 4, ShardSamplerOptions().drop_last(true)); })
+  BOOST_TEST(error_of([] { ShardSampler(3, 0, 4, ShardSamplerOptions().drop_last(true)); })
                  .find("world size 4 is larger than the dataset (3 samples)") != std::string::npos);
-  BOOST_TEST(error_message([] { ShardSampler(10, 2, 2); }).find("rank 2") != std::string::npos);
-  BOOST_TEST(error_message([] { ShardSampler(10, 0, 0); }).find("world size 0") !=
+  BOOST_TEST(error_of([] { ShardSampler(10, 2, 2); }).find("rank 2") != std::string::npos);
+  BOOST_TEST(error_of([] { ShardSampler(10, 0, 0); }).find("world size 0") !=
              std::string::npos);
-  BOOST_TEST(error_message([] { ShardSampler(0, 0, 1); }).find("0 samples") != std::string::npos);
+  BOOST_TEST(error_of([] { ShardSampler(0, 0, 1); }).find("0 samples") != std::string::npos);
   // Evaluation tolerates more ranks than samples: the extra ranks get nothing.
   BOOST_TEST(ShardSampler::evaluation(3, 3, 4).indices().empty());
   BOOST_TEST(ShardSampler::evaluation(3, 3, 4).num_samples() == 0u);

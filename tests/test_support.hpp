@@ -3,6 +3,9 @@
 
 #include <trainloop/error.hpp>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 
@@ -15,4 +18,19 @@ inline std::string error_of(const std::function<void()>& action) {
     return error.what();
   }
   return "<no trainloop::Error was thrown>";
+}
+
+/// The environment variable's value, or `fallback` when it is unset.
+inline std::string env_or(const char* name, const std::string& fallback = "") {
+  const char* value = std::getenv(name);
+  return value ? value : fallback;
+}
+
+/// Writes `text` to `path` through a temporary file renamed into place, so a reader (another
+/// process polling for the file) never sees half of it.
+inline void write_file(const std::filesystem::path& path, const std::string& text) {
+  auto temporary = path;
+  temporary += ".tmp";
+  { std::ofstream(temporary) << text; }
+  std::filesystem::rename(temporary, path);
 }
