@@ -145,9 +145,9 @@ void check_averaged(const std::vector<RankResult>& results) {
     mean /= static_cast<double>(world);
     for (std::size_t rank = 0; rank < world; ++rank) {
       BOOST_TEST_CONTEXT("parameter " << p << ", rank " << rank) {
-        BOOST_TEST(results[rank].reduced_defined[p]);
-        BOOST_TEST((results[rank].reduced[p] - mean).abs().max().item<double>() <= 1e-6);
-        BOOST_TEST(torch::equal(results[rank].reduced[p], results[0].reduced[p]));
+        RANK_TEST(results[rank].reduced_defined[p]);
+        RANK_TEST((results[rank].reduced[p] - mean).abs().max().item<double>() <= 1e-6);
+        RANK_TEST(torch::equal(results[rank].reduced[p], results[0].reduced[p]));
       }
     }
   }
@@ -163,13 +163,13 @@ BOOST_AUTO_TEST_CASE(grads_are_the_mean_over_ranks_with_three_buckets_launched_i
       auto results = run_step(world, /*reversed_registration=*/false, small_buckets());
       check_averaged(results);
       for (const auto& r : results) {
-        BOOST_TEST(r.bucket_count == 3u);
-        BOOST_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
-        BOOST_TEST(r.launched_during_backward == 2u);  // the bucket holding `unused` waits for finalize
-        BOOST_TEST(r.count_after_sync_step == 3);
+        RANK_TEST(r.bucket_count == 3u);
+        RANK_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+        RANK_TEST(r.launched_during_backward == 2u);  // the bucket holding `unused` waits for finalize
+        RANK_TEST(r.count_after_sync_step == 3);
       }
       // the unused parameter (index 0) got the same zero grad on every rank
-      for (const auto& r : results) BOOST_TEST(r.reduced[0].abs().max().item<double>() == 0.0);
+      for (const auto& r : results) RANK_TEST(r.reduced[0].abs().max().item<double>() == 0.0);
     }
   }
 }
@@ -181,9 +181,9 @@ BOOST_AUTO_TEST_CASE(buckets_launch_in_bucket_order_even_when_gradients_arrive_o
   auto results = run_step(3, /*reversed_registration=*/true, small_buckets());
   check_averaged(results);
   for (const auto& r : results) {
-    BOOST_TEST(r.bucket_count == 3u);
-    BOOST_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
-    BOOST_TEST(r.launched_during_backward == 2u);
+    RANK_TEST(r.bucket_count == 3u);
+    RANK_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+    RANK_TEST(r.launched_during_backward == 2u);
   }
 }
 
@@ -193,8 +193,8 @@ BOOST_AUTO_TEST_CASE(no_sync_accumulates_locally_then_reduces_the_accumulated_gr
       auto results = run_step(world, false, small_buckets(), /*micro_steps=*/3);
       check_averaged(results);  // mean over ranks of grads accumulated over 4 backward passes
       for (const auto& r : results) {
-        BOOST_TEST(r.count_after_micro_steps == 0);
-        BOOST_TEST(r.count_after_sync_step == static_cast<std::int64_t>(r.bucket_count));
+        RANK_TEST(r.count_after_micro_steps == 0);
+        RANK_TEST(r.count_after_sync_step == static_cast<std::int64_t>(r.bucket_count));
       }
     }
   }
@@ -204,8 +204,8 @@ BOOST_AUTO_TEST_CASE(overlap_off_reduces_everything_in_finalize) {
   auto results = run_step(2, false, small_buckets(/*overlap=*/false));
   check_averaged(results);
   for (const auto& r : results) {
-    BOOST_TEST(r.launched_during_backward == 0u);
-    BOOST_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+    RANK_TEST(r.launched_during_backward == 0u);
+    RANK_TEST(r.launch_order == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
   }
 }
 
@@ -214,8 +214,8 @@ BOOST_AUTO_TEST_CASE(default_caps_make_one_bucket_for_a_small_model_and_several_
     Mlp model;
     dist::broadcast_module_state(*model, group);
     dist::GradientReducer reducer(*model, group);
-    BOOST_TEST(reducer.bucket_count() == 1u);
-    BOOST_TEST(reducer.parameters().size() == 7u);
+    RANK_TEST(reducer.bucket_count() == 1u);
+    RANK_TEST(reducer.parameters().size() == 7u);
     torch::optim::SGD optimizer(model->parameters(), 0.1);
     for (int step = 0; step < 3; ++step) {
       optimizer.zero_grad();
@@ -223,11 +223,11 @@ BOOST_AUTO_TEST_CASE(default_caps_make_one_bucket_for_a_small_model_and_several_
       reducer.finalize();
       optimizer.step();
     }
-    BOOST_TEST(reducer.allreduce_count() == 3);
+    RANK_TEST(reducer.allreduce_count() == 3);
     // identical updates keep the replicas identical
     for (auto& p : model->parameters()) {
       torch::Tensor gathered = group.all_gather(p.detach());
-      BOOST_TEST(torch::equal(gathered[0], gathered[1]));
+      RANK_TEST(torch::equal(gathered[0], gathered[1]));
     }
   });
 }
@@ -240,14 +240,14 @@ BOOST_AUTO_TEST_CASE(destructor_removes_the_hooks) {
     {
       dist::GradientReducer reducer(*model, group);
       for (std::size_t i = 0; i < before.size(); ++i) {
-        BOOST_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i] + 1);
+        RANK_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i] + 1);
       }
     }
     for (std::size_t i = 0; i < before.size(); ++i) {
-      BOOST_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i]);
+      RANK_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i]);
     }
     loss_on(model, 0, 0).backward();  // the module outlives the reducer and still trains
-    BOOST_TEST(model->fc1->weight.grad().defined());
+    RANK_TEST(model->fc1->weight.grad().defined());
   });
 }
 
@@ -262,7 +262,7 @@ BOOST_AUTO_TEST_CASE(backward_twice_without_finalize_is_an_error) {
     } catch (const std::exception& error) {
       message = error.what();
     }
-    BOOST_TEST(message.find("became ready twice") != std::string::npos);
+    RANK_TEST(message.find("became ready twice") != std::string::npos);
     reducer.finalize();  // still usable afterwards
   });
 }
@@ -292,12 +292,12 @@ BOOST_AUTO_TEST_CASE(broadcast_module_state_copies_rank_0_parameters_and_buffers
     dist::broadcast_module_state(*net, group);
     for (const auto& item : net->named_parameters()) states[group.rank()][item.key()] = item.value().detach().clone();
     for (const auto& item : net->named_buffers()) states[group.rank()][item.key()] = item.value().clone();
-    BOOST_TEST(net->fc->weight.requires_grad());
+    RANK_TEST(net->fc->weight.requires_grad());
   });
   for (int rank = 0; rank < 3; ++rank) {
-    BOOST_TEST(torch::equal(states[rank]["fc.weight"], torch::ones({2, 3})));
-    BOOST_TEST(torch::equal(states[rank]["norm.running_mean"], torch::zeros({2})));
-    BOOST_TEST(states[rank]["norm.num_batches_tracked"].item<std::int64_t>() == 100);
+    RANK_TEST(torch::equal(states[rank]["fc.weight"], torch::ones({2, 3})));
+    RANK_TEST(torch::equal(states[rank]["norm.running_mean"], torch::zeros({2})));
+    RANK_TEST(states[rank]["norm.num_batches_tracked"].item<std::int64_t>() == 100);
   }
 }
 
@@ -314,11 +314,11 @@ BOOST_AUTO_TEST_CASE(different_models_are_an_error_on_every_rank_not_a_hang) {
   });
   for (int rank = 0; rank < 3; ++rank) {
     BOOST_TEST_CONTEXT("rank " << rank << ": " << messages[rank]) {
-      BOOST_TEST(!errors[rank]);
-      BOOST_TEST(messages[rank].find("rank 2 has 7 parameters") != std::string::npos);
-      BOOST_TEST(messages[rank].find("first difference at entry #1") != std::string::npos);
-      BOOST_TEST(messages[rank].find("[32, 10]") != std::string::npos);
-      BOOST_TEST(messages[rank].find("[16, 10]") != std::string::npos);
+      RANK_TEST(!errors[rank]);
+      RANK_TEST(messages[rank].find("rank 2 has 7 parameters") != std::string::npos);
+      RANK_TEST(messages[rank].find("first difference at entry #1") != std::string::npos);
+      RANK_TEST(messages[rank].find("[32, 10]") != std::string::npos);
+      RANK_TEST(messages[rank].find("[16, 10]") != std::string::npos);
     }
   }
   BOOST_TEST_MESSAGE("shape mismatch: " << messages[0]);
@@ -336,9 +336,9 @@ BOOST_AUTO_TEST_CASE(different_models_are_an_error_on_every_rank_not_a_hang) {
   });
   for (int rank = 0; rank < 2; ++rank) {
     BOOST_TEST_CONTEXT("rank " << rank << ": " << count_messages[rank]) {
-      BOOST_TEST(!errors[rank]);
-      BOOST_TEST(count_messages[rank].find("rank 0 has 7 parameters") != std::string::npos);
-      BOOST_TEST(count_messages[rank].find("rank 1 has 9 parameters") != std::string::npos);
+      RANK_TEST(!errors[rank]);
+      RANK_TEST(count_messages[rank].find("rank 0 has 7 parameters") != std::string::npos);
+      RANK_TEST(count_messages[rank].find("rank 1 has 9 parameters") != std::string::npos);
     }
   }
   BOOST_TEST_MESSAGE("count mismatch: " << count_messages[1]);
@@ -348,7 +348,7 @@ BOOST_AUTO_TEST_CASE(same_models_pass_the_check) {
   run_ranks(3, [](dist::ProcessGroup& group) {
     Mlp model;
     dist::check_same_parameter_shapes(*model, group);  // throws on mismatch
-    BOOST_TEST(group.world_size() == 3);
+    RANK_TEST(group.world_size() == 3);
   });
 }
 

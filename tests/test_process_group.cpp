@@ -37,14 +37,14 @@ BOOST_AUTO_TEST_SUITE(collectives)
 BOOST_AUTO_TEST_CASE(all_reduce_sum_is_exact_over_2_and_3_ranks) {
   for (int world : {2, 3}) {
     run_ranks(world, [world](dist::ProcessGroup& group) {
-      BOOST_TEST(group.rank() >= 0);
-      BOOST_TEST(group.world_size() == world);
-      BOOST_TEST((group.backend() == dist::Backend::Gloo));
+      RANK_TEST(group.rank() >= 0);
+      RANK_TEST(group.world_size() == world);
+      RANK_TEST((group.backend() == dist::Backend::Gloo));
       const double r = group.rank();
       // single tensor
       torch::Tensor x = torch::full({5}, r + 1.0);
       group.all_reduce_sum(x);
-      BOOST_TEST(torch::equal(x, torch::full({5}, world * (world + 1) / 2.0)));
+      RANK_TEST(torch::equal(x, torch::full({5}, world * (world + 1) / 2.0)));
       // several tensors of several dtypes, one non-contiguous
       torch::Tensor a = torch::arange(6, torch::kFloat32).view({2, 3}) * (r + 1);
       torch::Tensor b = torch::full({4}, static_cast<std::int64_t>(group.rank() * 10 + 1), torch::kInt64);
@@ -52,23 +52,23 @@ BOOST_AUTO_TEST_CASE(all_reduce_sum_is_exact_over_2_and_3_ranks) {
       torch::Tensor c = c_base.t();  // non-contiguous view: result must land in c_base
       const double ranks_sum = world * (world - 1) / 2.0;
       group.all_reduce_sum(std::vector<torch::Tensor>{a, b, c});
-      BOOST_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0)));
-      BOOST_TEST(torch::equal(b, torch::full({4}, static_cast<std::int64_t>(10 * ranks_sum + world), torch::kInt64)));
-      BOOST_TEST(torch::equal(c_base, torch::arange(12, torch::kFloat64).view({3, 4}) * world));
+      RANK_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0)));
+      RANK_TEST(torch::equal(b, torch::full({4}, static_cast<std::int64_t>(10 * ranks_sum + world), torch::kInt64)));
+      RANK_TEST(torch::equal(c_base, torch::arange(12, torch::kFloat64).view({3, 4}) * world));
       // tensors of >= 256 KiB get a collective of their own, in place or (non-contiguous) staged
       torch::Tensor big = torch::full({70000}, r + 1.0);
       torch::Tensor big_base = torch::full({300, 300}, r + 1.0);
       torch::Tensor small = torch::full({3}, r);
       group.all_reduce_sum(std::vector<torch::Tensor>{small, big, big_base.t(), a});
-      BOOST_TEST(torch::equal(big, torch::full({70000}, world * (world + 1) / 2.0)));
-      BOOST_TEST(torch::equal(big_base, torch::full({300, 300}, world * (world + 1) / 2.0)));
-      BOOST_TEST(torch::equal(small, torch::full({3}, ranks_sum)));
-      BOOST_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0 * world)));  // summed twice
+      RANK_TEST(torch::equal(big, torch::full({70000}, world * (world + 1) / 2.0)));
+      RANK_TEST(torch::equal(big_base, torch::full({300, 300}, world * (world + 1) / 2.0)));
+      RANK_TEST(torch::equal(small, torch::full({3}, ranks_sum)));
+      RANK_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0 * world)));  // summed twice
       // async
       torch::Tensor y = torch::full({3}, 2.0 * r);
       dist::WorkHandle work = group.all_reduce_sum_async(y);
       group.wait(work);
-      BOOST_TEST(torch::equal(y, torch::full({3}, 2.0 * ranks_sum)));
+      RANK_TEST(torch::equal(y, torch::full({3}, 2.0 * ranks_sum)));
     });
   }
 }
@@ -80,12 +80,12 @@ BOOST_AUTO_TEST_CASE(broadcast_copies_the_root_values) {
     torch::Tensor b = torch::full({3}, static_cast<std::int64_t>(100 + group.rank()), torch::kInt64);
     torch::Tensor big = torch::full({100000}, r);
     group.broadcast(std::vector<torch::Tensor>{a, big, b}, /*root=*/1);
-    BOOST_TEST(torch::equal(a, torch::full({2, 2}, 1.0)));
-    BOOST_TEST(torch::equal(big, torch::full({100000}, 1.0)));
-    BOOST_TEST(torch::equal(b, torch::full({3}, std::int64_t{101}, torch::kInt64)));
+    RANK_TEST(torch::equal(a, torch::full({2, 2}, 1.0)));
+    RANK_TEST(torch::equal(big, torch::full({100000}, 1.0)));
+    RANK_TEST(torch::equal(b, torch::full({3}, std::int64_t{101}, torch::kInt64)));
     torch::Tensor c = torch::full({4}, r + 7);
     group.broadcast(c);  // default root 0
-    BOOST_TEST(torch::equal(c, torch::full({4}, 7.0)));
+    RANK_TEST(torch::equal(c, torch::full({4}, 7.0)));
   });
 }
 
@@ -93,11 +93,11 @@ BOOST_AUTO_TEST_CASE(all_reduce_max_and_all_gather) {
   run_ranks(3, [](dist::ProcessGroup& group) {
     torch::Tensor stop = torch::tensor({group.rank() == 1 ? 1 : 0}, torch::kInt64);
     group.all_reduce_max(stop);
-    BOOST_TEST(stop.item<std::int64_t>() == 1);
+    RANK_TEST(stop.item<std::int64_t>() == 1);
     torch::Tensor mine = torch::tensor({std::int64_t{group.rank()}, std::int64_t{group.rank() * group.rank()}});
     torch::Tensor all = group.all_gather(mine);
-    BOOST_TEST(all.sizes() == torch::IntArrayRef({3, 2}));
-    BOOST_TEST(torch::equal(all, torch::tensor({0, 0, 1, 1, 2, 4}, torch::kInt64).view({3, 2})));
+    RANK_TEST(all.sizes() == torch::IntArrayRef({3, 2}));
+    RANK_TEST(torch::equal(all, torch::tensor({0, 0, 1, 1, 2, 4}, torch::kInt64).view({3, 2})));
   });
 }
 
@@ -110,9 +110,9 @@ BOOST_AUTO_TEST_CASE(barrier_waits_for_the_slowest_rank) {
     group.barrier();
     waited_ms[group.rank()] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   });
-  BOOST_TEST(waited_ms[0] >= 300.0);
-  BOOST_TEST(waited_ms[1] >= 300.0);
-  BOOST_TEST(waited_ms[2] < 300.0);
+  RANK_TEST(waited_ms[0] >= 300.0);
+  RANK_TEST(waited_ms[1] >= 300.0);
+  RANK_TEST(waited_ms[2] < 300.0);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
@@ -127,10 +127,10 @@ BOOST_AUTO_TEST_CASE(unreachable_master_times_out_with_address_and_timeout) {
   const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   BOOST_TEST_MESSAGE("unreachable master: " << message << " after " << seconds << " s");
-  BOOST_TEST(seconds >= 0.8);  // it kept trying for about the timeout...
-  BOOST_TEST(seconds < 3.0);   // ...and no longer
-  BOOST_TEST(message.find("127.0.0.1:" + std::to_string(port)) != std::string::npos);
-  BOOST_TEST(message.find("1000 ms") != std::string::npos);
+  RANK_TEST(seconds >= 0.8);  // it kept trying for about the timeout...
+  RANK_TEST(seconds < 3.0);   // ...and no longer
+  RANK_TEST(message.find("127.0.0.1:" + std::to_string(port)) != std::string::npos);
+  RANK_TEST(message.find("1000 ms") != std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) {
@@ -157,8 +157,8 @@ BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) 
   for (auto& error : errors) {
     if (error) std::rethrow_exception(error);
   }
-  BOOST_TEST(sums[0] == 3.0);
-  BOOST_TEST(sums[1] == 3.0);
+  RANK_TEST(sums[0] == 3.0);
+  RANK_TEST(sums[1] == 3.0);
 }
 
 BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
@@ -175,22 +175,22 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
   const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
   ::close(listener);
   BOOST_TEST_MESSAGE("port in use: " << message);
-  BOOST_TEST(message.find("port " + std::to_string(port)) != std::string::npos);
-  BOOST_TEST(message.find("already in use") != std::string::npos);
+  RANK_TEST(message.find("port " + std::to_string(port)) != std::string::npos);
+  RANK_TEST(message.find("already in use") != std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(bad_options_are_rejected_before_any_connection) {
   auto options = thread_rank_options(/*rank=*/2, /*world_size=*/2, 29500);
-  BOOST_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
+  RANK_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
   options = thread_rank_options(0, 1, 0);
-  BOOST_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
+  RANK_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
   options = thread_rank_options(0, 1, 29500);
   options.backend = dist::Backend::Nccl;
   const std::string nccl = error_of([&] { dist::ProcessGroup::create(options); });
-  BOOST_TEST(nccl.find("nccl") != std::string::npos);
+  RANK_TEST(nccl.find("nccl") != std::string::npos);
   dist::ProcessGroup empty;
-  BOOST_TEST(!empty.valid());
-  BOOST_TEST(error_of([&] { empty.barrier(); }).find("empty ProcessGroup") != std::string::npos);
+  RANK_TEST(!empty.valid());
+  RANK_TEST(error_of([&] { empty.barrier(); }).find("empty ProcessGroup") != std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(single_rank_group_is_an_identity) {
@@ -199,8 +199,8 @@ BOOST_AUTO_TEST_CASE(single_rank_group_is_an_identity) {
   torch::Tensor x = torch::tensor({1.5, -2.0});
   group.all_reduce_sum(x);
   group.barrier();
-  BOOST_TEST(torch::equal(x, torch::tensor({1.5, -2.0})));
-  BOOST_TEST(torch::equal(group.all_gather(x), x.unsqueeze(0)));
+  RANK_TEST(torch::equal(x, torch::tensor({1.5, -2.0})));
+  RANK_TEST(torch::equal(group.all_gather(x), x.unsqueeze(0)));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

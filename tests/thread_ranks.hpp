@@ -49,3 +49,18 @@ inline void run_ranks(int world_size, const std::function<void(trainloop::dist::
     if (error) std::rethrow_exception(error);
   }
 }
+
+#include <mutex>
+
+/// Boost.Test's checks are not thread-safe, and thread-ranks check concurrently (two unguarded
+/// BOOST_TESTs at once have corrupted its state: a std::length_error in a passing test).
+inline std::mutex& test_check_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+/// BOOST_TEST, serialised across thread-ranks.
+#define RANK_TEST(...)                                          \
+  do {                                                          \
+    std::lock_guard<std::mutex> rank_test_lock(test_check_mutex()); \
+    BOOST_TEST(__VA_ARGS__);                                    \
+  } while (false)
