@@ -18,6 +18,8 @@
 // Output (from the launching process only, after fit() returns): one line per epoch, then
 //   RESULT trainloop samples_per_second <value>
 
+#include "bench_common.hpp"
+
 #include <trainloop/gpu_mode/distributed.hpp>
 #include <trainloop/trainloop.hpp>
 
@@ -28,16 +30,7 @@
 
 namespace tl = trainloop;
 
-struct WideMlpImpl : torch::nn::Module {
-  WideMlpImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(784, 1024));
-    fc2 = register_module("fc2", torch::nn::Linear(1024, 1024));
-    fc3 = register_module("fc3", torch::nn::Linear(1024, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
-};
-TORCH_MODULE(WideMlp);
+using bench::WideMlp;  // the same network as benchmarks/ddp_vs_pytorch.py
 
 int main(int argc, char** argv) {
   CLI::App app{"trainloop DDP throughput (compare with benchmarks/ddp_vs_pytorch.py)"};
