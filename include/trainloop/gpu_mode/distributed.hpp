@@ -196,7 +196,7 @@ class DistributedEngine {
     reducer_options.bucket_cap_bytes = mode_.bucket_cap_bytes();
     reducer_options.overlap = mode_.overlap();
     reducer_.emplace(*module_, *group_, reducer_options);
-    has_buffers_ = !module_->buffers().empty();
+    buffers_ = module_->buffers();
     prepared_ = true;
   }
 
@@ -209,11 +209,7 @@ class DistributedEngine {
   }
   void before_optimizer_step() { reducer_->finalize(); }
   void after_optimizer_step() {
-    if (has_buffers_ && mode_.broadcast_buffers()) {
-      std::vector<torch::Tensor> buffers;
-      for (auto& buffer : module_->buffers()) buffers.push_back(buffer);
-      group_->broadcast(buffers, 0);
-    }
+    if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
   }
 
   template <class Batch, class Forward, class Sink>
@@ -292,7 +288,7 @@ class DistributedEngine {
   torch::Device device_ = torch::Device(torch::kCPU);
   dist::ProcessGroup* group_ = nullptr;
   std::optional<dist::GradientReducer> reducer_;
-  bool has_buffers_ = false;
+  std::vector<torch::Tensor> buffers_;  // listed once in prepare(), broadcast after every step
   bool prepared_ = false;
 };
 

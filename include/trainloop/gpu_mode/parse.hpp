@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <variant>
 
 namespace trainloop {
@@ -105,11 +106,11 @@ class AnyEngine {
   /// Calls `f` with the concrete engine.
   template <class F>
   decltype(auto) visit(F&& f) {
+    using Result = std::invoke_result_t<F&, SingleEngine<Module>&>;
     return std::visit(
-        [&](auto& engine) -> decltype(auto) {
+        [&](auto& engine) -> Result {
           if constexpr (std::is_same_v<std::decay_t<decltype(engine)>, std::monostate>) {
-            throw Error("trainloop: no gpu mode engine was built");
-            return f(std::get<1>(engine_));  // for the return type only; never reached
+            throw Error("trainloop: no gpu mode engine was built");  // the constructor always builds one
           } else {
             return f(engine);
           }
