@@ -76,10 +76,12 @@ endif()
 if(EXTRA_PREFIX_PATH)
   list(APPEND prefix_path ${EXTRA_PREFIX_PATH})
 endif()
-list(JOIN prefix_path "\\;" prefix_path_arg)  # one -D argument, list separators kept
+# The prefixes travel in the environment variable (':'-separated): a ';' list in a -D argument
+# of execute_process would be split into several arguments, and all but the first ignored.
+list(JOIN prefix_path ":" prefix_path_env)
 
-set(configure_command "${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${consumer_build}"
-  "-DCMAKE_PREFIX_PATH=${prefix_path}"
+set(configure_command "${CMAKE_COMMAND}" -E env "CMAKE_PREFIX_PATH=${prefix_path_env}"
+  "${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${consumer_build}"
   -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
   # Only the fresh prefix may provide trainloop: no package registry, no stray trainloop_DIR.
   -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON)

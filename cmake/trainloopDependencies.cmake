@@ -38,6 +38,15 @@ endfunction()
 function(trainloop_link_dependencies target)
   get_target_property(imported ${target} IMPORTED)
   set(libraries ${TORCH_LIBRARIES} range-v3::range-v3 ZLIB::ZLIB Threads::Threads)
+  # libstdc++ first among the program's libraries. pip torch's libtorch_cpu.so exports copies of
+  # libstdc++'s std::filesystem functions, linked into it statically (pytorch issue 133437). A
+  # program whose DT_NEEDED lists libtorch before libstdc++ (the compiler driver adds -lstdc++
+  # last) binds std::filesystem::remove_all to libtorch's copy, which called a null pointer
+  # on the GPU machine (torch 2.11.0+cu130: every remove_all crashed). Naming libstdc++ before
+  # libtorch makes the dynamic linker find libstdc++'s own definitions first.
+  if(UNIX AND NOT APPLE AND NOT CMAKE_CXX_FLAGS MATCHES "-stdlib=libc\\+\\+")
+    list(PREPEND libraries stdc++)
+  endif()
   # TorchConfig.cmake defines neither c10d backend macro, yet ProcessGroupGloo.hpp and
   # ProcessGroupNCCL.hpp are empty without them.
   set(definitions USE_C10D_GLOO)

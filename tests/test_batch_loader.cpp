@@ -1,5 +1,5 @@
 #define BOOST_TEST_MODULE test_batch_loader
-#include <boost/test/unit_test.hpp>
+#include "unit_test.hpp"
 
 #include <trainloop/data/batch_loader.hpp>
 #include <trainloop/data/shard_sampler.hpp>

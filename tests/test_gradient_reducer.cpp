@@ -1,5 +1,5 @@
 #define BOOST_TEST_MODULE test_gradient_reducer
-#include <boost/test/unit_test.hpp>
+#include "unit_test.hpp"
 
 #include "thread_ranks.hpp"
 

@@ -1,5 +1,5 @@
 #define BOOST_TEST_MODULE test_launcher
-#include <boost/test/unit_test.hpp>
+#include "unit_test.hpp"
 
 #include "test_support.hpp"
 

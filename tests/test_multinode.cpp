@@ -1,5 +1,5 @@
 #define BOOST_TEST_MODULE test_multinode
-#include <boost/test/unit_test.hpp>
+#include "unit_test.hpp"
 
 #include "ddp_test_model.hpp"
 

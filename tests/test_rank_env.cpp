@@ -1,5 +1,5 @@
 #define BOOST_TEST_MODULE test_rank_env
-#include <boost/test/unit_test.hpp>
+#include "unit_test.hpp"
 
 #include <trainloop/dist/free_port.hpp>
 #include <trainloop/dist/rank_env.hpp>

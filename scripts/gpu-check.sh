@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU checklist, run on a machine with an NVIDIA GPU and pip torch (2.x, CUDA): builds
+# trainloop against the wheel's libtorch, runs the test suite and the example on cuda:0 in every
+# mode, and writes logs to OUT_DIR.
+#
+#   scripts/gpu-check.sh DEPS_DIR OUT_DIR [STEPS]
+#
+# DEPS_DIR is what scripts/gather-gpu-deps.sh made on a Debian machine (headers the GPU machine
+# lacks, and the Fashion-MNIST data). STEPS (default "probe build test example") picks steps.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+deps=$(cd "$1" && pwd)
+out=$2
+steps=${3:-probe build test example}
+mkdir -p "$out"
+build=${BUILD_DIR:-/tmp/trainloop-gpu-build}
+python=${PYTHON:-python3}
+torch_prefix=$("$python" -c 'import torch;print(torch.utils.cmake_prefix_path)')
+torch_include=$("$python" -c 'import torch, os;print(os.path.join(os.path.dirname(torch.__file__), "include"))')
+
+has() { [[ " $steps " == *" $1 "* ]]; }
+
+if has probe; then
+  {
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$python" -c 'import torch;print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "cxx11abi", torch.compiled_with_cxx11_abi())'
+    cmake --version | head -1; ninja --version; c++ --version | head -1; nproc
+    echo "torch include: $torch_include"
+    ls "$torch_include" | head -50
+    echo "gloo headers in the wheel: $(ls -d "$torch_include"/gloo 2>/dev/null || echo none)"
+    ls "$torch_include"/torch/csrc/distributed/c10d/ | head -80
+    for h in boost/test/included/unit_test.hpp range/v3/all.hpp CLI/CLI.hpp zlib.h; do
+      echo "system $h: $(ls /usr/include/$h 2>/dev/null || echo absent)"
+    done
+  } > "$out/probe.log" 2>&1
+fi
+
+cxx_flags=""
+if [[ ! -d $torch_include/gloo ]]; then
+  # The wheel compiles Gloo in but ships no headers of it; Debian's declare the same classes.
+  cxx_flags="-isystem $deps/gloo/include"
+fi
+
+zlib_library=$(ls /usr/lib/x86_64-linux-gnu/libz.so /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
+timer=(); [[ -x /usr/bin/time ]] && timer=(/usr/bin/time -v)
+
+if has build; then
+  {
+    cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      "-DCMAKE_PREFIX_PATH=$torch_prefix;$deps/prefix" "-DCMAKE_CXX_FLAGS=$cxx_flags" \
+      -DZLIB_INCLUDE_DIR="$deps/prefix/include" ${zlib_library:+-DZLIB_LIBRARY=$zlib_library} -DCMAKE_CUDA_ARCHITECTURES=90 &&
+    cmake --build "$build" -j "$(nproc)" -- -k 0
+  } > "$out/build.log" 2>&1
+  echo "build exit $?" >> "$out/build.log"
+fi
+
+if has test; then
+  (cd "$build" && ctest --output-on-failure -j 4 --timeout 600) > "$out/test.log" 2>&1
+  echo "ctest exit $?" >> "$out/test.log"
+fi
+
+if has example; then
+  for mode in single dp ddp; do
+    "${timer[@]}" "$build/examples/fashion_mnist" --gpu-mode "$mode" --device cuda:0 --epochs 2 \
+      --data "$deps/data" --workers 2 > "$out/example-$mode.log" 2>&1
+    echo "exit $?" >> "$out/example-$mode.log"
+  done
+fi
