@@ -54,6 +54,18 @@ endforeach()
 if(NOT EXISTS "${prefix}/include/trainloop/trainloop.hpp")
   message(FATAL_ERROR "cmake_import: the install has no include/trainloop/trainloop.hpp")
 endif()
+# No folder that .gitignore templates and search tools treat as build output (Python.gitignore
+# ignores dist/ at any depth: a repository vendoring trainloop would silently lose it).
+foreach(build_output_name dist build out target bin obj)
+  file(GLOB_RECURSE found LIST_DIRECTORIES true "${prefix}/include/trainloop/*")
+  foreach(path IN LISTS found)
+    get_filename_component(name "${path}" NAME)
+    if(IS_DIRECTORY "${path}" AND name STREQUAL build_output_name)
+      message(FATAL_ERROR "cmake_import: the install has a folder named '${name}' (${path}); such names are "
+                          "ignored as build output by common .gitignore templates")
+    endif()
+  endforeach()
+endforeach()
 # The package must not point back into the source or build tree, nor to where it was installed.
 file(READ "${config_dir}/trainloopTargets.cmake" targets_text)
 file(READ "${config_dir}/trainloopConfig.cmake" config_text)

@@ -69,6 +69,34 @@ function(trainloop_link_dependencies target)
   target_compile_definitions(${target} INTERFACE ${definitions})
 endfunction()
 
+# Makes every imported target trainloop links (libtorch's, range-v3's, zlib's, and what they
+# link in turn) visible in all directories (IMPORTED_GLOBAL). Needed when trainloop is a
+# subdirectory of another project (add_subdirectory, FetchContent): imported targets are
+# otherwise visible only in the directory whose find_package() created them, i.e. trainloop's,
+# while the targets linking trainloop::trainloop live in the parent. Must run in the directory
+# that called find_package().
+function(trainloop_make_dependencies_global)
+  if(NOT CMAKE_VERSION VERSION_LESS 3.21)
+    # Every imported target find_package() created here: libtorch's config creates more than
+    # trainloop names directly (torch_cpu, c10, caffe2::*, CUDA::*), referenced from generator
+    # expressions in the targets' properties.
+    get_directory_property(imported IMPORTED_TARGETS)
+  else()
+    set(imported torch torch_cpu torch_cuda c10 c10_cuda torch_library range-v3::range-v3 range-v3 ZLIB::ZLIB
+        Threads::Threads)
+  endif()
+  foreach(target IN LISTS imported)
+    if(NOT TARGET "${target}")
+      continue()
+    endif()
+    get_target_property(aliased "${target}" ALIASED_TARGET)
+    get_target_property(global "${target}" IMPORTED_GLOBAL)
+    if(NOT aliased AND NOT global)
+      set_target_properties("${target}" PROPERTIES IMPORTED_GLOBAL TRUE)
+    endif()
+  endforeach()
+endfunction()
+
 # In trainloop's own build a missing dependency is a configure error. (In the installed config
 # the macro above runs instead, so find_package(trainloop) reports it the standard way.)
 if(NOT TRAINLOOP_LOADING_PACKAGE_CONFIG)

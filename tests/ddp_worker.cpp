@@ -3,30 +3,76 @@
 //
 //   ddp_worker <scenario> <world> <out-dir> [port]
 //
-// Scenarios: train (equivalence), accumulate, eval97, eval99, throw, sigkill, join.
+// Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
+// exit0, bad_label, oom, long, sigchld_ignored, lr_between_fits, evaluate_everywhere, two_loops.
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
-// fit()) and <out-dir>/result.txt (numbers the test compares), and exits 3 on a trainloop::Error
-// after printing its message.
+// fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
+// a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
+// 4 on a c10::Error, 5 on a c10::OutOfMemoryError.
 
 #include "ddp_test_model.hpp"
 
+#include <c10/util/Exception.h>
+
 #include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <thread>
+#include <unistd.h>
 
 namespace tl = trainloop;
+
+namespace {
+
+/// This process's rank when it is one (own launcher or torchrun variables), else -1.
+int own_rank() {
+  for (const char* name : {"TRAINLOOP_RANK", "RANK"}) {
+    if (const char* value = std::getenv(name)) return std::atoi(value);
+  }
+  return -1;
+}
 
 /// Fails one rank on purpose, from inside training.
 struct FailOnRank : tl::Callback {
   std::string how;
   explicit FailOnRank(std::string h) : how(std::move(h)) {}
   void on_batch_end(tl::TrainState& state) override {
-    const char* rank = std::getenv("TRAINLOOP_RANK");
-    if (!rank || std::string(rank) != "1") return;
+    if (own_rank() != 1) return;
     if (how == "throw" && state.epoch == 2 && state.batch == 2) throw std::runtime_error("rank one gave up in epoch 2");
     if (how == "sigkill" && state.epoch == 1 && state.batch == 3) std::raise(SIGKILL);
+    if (how == "segv" && state.epoch == 1 && state.batch == 3) std::raise(SIGSEGV);
+    if (how == "exit0" && state.epoch == 1 && state.batch == 3) std::exit(0);  // user code ending the program
   }
 };
+
+/// Leaves `<dir>/rank<R>.pid` once training began, then trains slowly (for killing the launcher).
+struct SlowAndVisible : tl::Callback {
+  std::string dir;
+  explicit SlowAndVisible(std::string d) : dir(std::move(d)) {}
+  void on_fit_begin(tl::TrainState&) override {
+    std::ofstream(dir + "/rank" + std::to_string(own_rank()) + ".pid") << ::getpid();
+  }
+  void on_batch_end(tl::TrainState&) override { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+};
+
+/// The test MLP, but its forward throws a libtorch out-of-memory error on rank 1 (as a CUDA
+/// allocation would), to check that the error keeps its type on its way to the caller.
+struct OomOnRank1Impl : MlpImpl {
+  torch::Tensor forward(torch::Tensor x) {
+    if (own_rank() == 1) C10_THROW_ERROR(OutOfMemoryError, "simulated: CUDA out of memory on rank 1");
+    return MlpImpl::forward(x);
+  }
+};
+TORCH_MODULE(OomOnRank1);
+
+void write_eval(std::ofstream& out, const std::string& name, const tl::EvalResult& result) {
+  out << name << "_loss " << result.loss << '\n'
+      << name << "_samples " << result.samples << '\n'
+      << name << "_accuracy " << result.metrics.at("accuracy") << '\n';
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4) {
@@ -37,6 +83,7 @@ int main(int argc, char** argv) {
   const int world = std::stoi(argv[2]);
   const std::string out_dir = argv[3];
   const int port = argc > 4 ? std::stoi(argv[4]) : 0;
+  if (scenario == "sigchld_ignored") std::signal(SIGCHLD, SIG_IGN);  // some programs do this
   try {
     torch::manual_seed(5);
     Mlp net;
@@ -63,19 +110,80 @@ int main(int argc, char** argv) {
       options.batch_size(8).shuffle(true);
       epochs = 2;
     }
-    if (scenario == "throw" || scenario == "sigkill") {
+    if (scenario == "throw" || scenario == "sigkill" || scenario == "segv" || scenario == "exit0") {
       callbacks.push_back(std::make_shared<FailOnRank>(scenario));
       epochs = 3;
       mode.timeout(std::chrono::seconds(60));  // failure must be caught by the launcher, not a timeout
     }
+    if (scenario == "long") {
+      callbacks.push_back(std::make_shared<SlowAndVisible>(out_dir));
+      epochs = 1000;
+    }
     auto train = make_data(train_size, 1);
     auto val = make_data(val_size, 2);
+    if (scenario == "bad_label") {
+      // Sample 21 is rank 1's (odd indices, in order) third batch: past the loop's first-batch label
+      // check, so libtorch's criterion is what fails, deep in a later batch.
+      auto targets = train.targets().clone();
+      targets[21] = 7;
+      train = tl::data::TensorDataset(train.inputs(), targets);
+    }
+
+    if (scenario == "oom") {
+      OomOnRank1 oom_net;
+      torch::optim::SGD oom_optimizer(oom_net->parameters(), torch::optim::SGDOptions(0.05));
+      tl::TrainLoop<OomOnRank1, tl::gpu_mode::DistributedDataParallel> loop(
+          oom_net, train, {}, oom_optimizer, torch::nn::CrossEntropyLoss(), options, mode);
+      loop.fit(1);
+      return 0;
+    }
+
+    if (scenario == "evaluate_everywhere" || scenario == "two_loops") {
+      // Run by the test as torchrun would (RANK, WORLD_SIZE, ... set): every rank gets here and
+      // writes its own results, which must all equal one process's.
+      std::ofstream out(out_dir + "/result" + std::to_string(own_rank()) + ".txt");
+      out.precision(17);
+      val = make_data(97, 2);
+      tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> loop(net, train, {}, optimizer,
+                                                                     torch::nn::CrossEntropyLoss(), options, mode);
+      if (scenario == "evaluate_everywhere") {
+        write_eval(out, "before", loop.evaluate(val));
+        torch::save(loop.predict(val), out_dir + "/predict_before" + std::to_string(own_rank()) + ".pt");
+        loop.fit(1);
+        write_eval(out, "between", loop.evaluate(val));
+        loop.fit(1);
+        write_eval(out, "after", loop.evaluate(val));
+        torch::save(loop.predict(val), out_dir + "/predict_after" + std::to_string(own_rank()) + ".pt");
+      } else {
+        loop.fit(1);  // a warm-up loop, still alive while the second one trains
+        torch::optim::SGD second_optimizer(net->parameters(), torch::optim::SGDOptions(0.02));
+        tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> second(
+            net, train, {}, second_optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions(options).clip_grad_norm(0.5),
+            mode);
+        second.fit(1);
+        loop.fit(1);  // and the first one again
+      }
+      std::vector<torch::Tensor> params;
+      for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
+      torch::save(params, out_dir + "/params" + std::to_string(own_rank()) + ".pt");
+      return 0;
+    }
+
     tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> loop(net, train, val, optimizer,
                                                                    torch::nn::CrossEntropyLoss(), options, mode);
+    tl::EvalResult before;
+    if (scenario == "lr_between_fits") before = loop.evaluate(val);
     auto history = loop.fit(epochs, callbacks);
-    if (scenario == "twofits") {
+    int lowered = 0;
+    if (scenario == "twofits" || scenario == "lr_between_fits") {
       // A second fit() continues from the first one's weights and optimizer state. The ranks of
       // this second launch pass the first fit() again, and get its History back.
+      if (scenario == "lr_between_fits" && loop.evaluate(val).loss < before.loss) {
+        for (auto& group : optimizer.param_groups()) {
+          static_cast<torch::optim::SGDOptions&>(group.options()).lr(0.01).momentum(0.5);
+        }
+        lowered = 1;
+      }
       const auto first_steps = history.last().steps;
       history = loop.fit(epochs, callbacks);
       history.total_steps += first_steps;
@@ -95,9 +203,18 @@ int main(int argc, char** argv) {
           << history.last().validation->loss << "\nval_accuracy " << history.last().validation->metrics.at("accuracy")
           << "\nval_samples " << history.last().validation->samples << "\nlocal_val_loss " << check.loss
           << "\nlocal_val_accuracy " << check.metrics.at("accuracy") << "\ntrain_samples " << history.last().samples
-          << "\n";
+          << "\nlowered " << lowered << "\nlr " << optimizer.param_groups()[0].options().get_lr() << "\n";
     }
     return 0;
+  } catch (const c10::OutOfMemoryError& e) {
+    std::cerr << "C10_OUT_OF_MEMORY: " << e.what() << '\n';
+    return 5;
+  } catch (const c10::Error& e) {
+    std::cerr << "C10_ERROR: " << e.what() << '\n';
+    return 4;
+  } catch (const tl::RankFailedError& e) {
+    std::cerr << "ERROR: " << e.what() << "\nRANK_FAILED rank=" << e.details().rank << '\n';
+    return 3;
   } catch (const tl::Error& e) {
     std::cerr << "ERROR: " << e.what() << '\n';
     return 3;

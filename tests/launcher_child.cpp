@@ -7,8 +7,8 @@
 
 #include "test_support.hpp"
 
-#include <trainloop/dist/rank_env.hpp>
-#include <trainloop/dist/spawned_rank.hpp>
+#include <trainloop/distributed/rank_env.hpp>
+#include <trainloop/distributed/spawned_rank.hpp>
 
 #include <chrono>
 #include <csignal>
@@ -58,6 +58,20 @@ void run_scenario(const dist::RankEnv& env) {
       throw std::runtime_error("rank 0 fails while rank 1 ignores SIGTERM");
     }
   }
+  if (scenario == "crash_and_peer_reports") {
+    // Rank 1 crashes; rank 0 notices at once, as a collective would ("Connection reset by peer"),
+    // so both can be reaped in the same poll of the launcher, the peer possibly first.
+    if (env.rank == 1) {
+      write_file(out / "crashing", "1");
+      std::raise(SIGSEGV);
+    }
+    while (!fs::exists(out / "crashing")) std::this_thread::sleep_for(1ms);
+    throw trainloop::CommunicationError("gloo: Read error [127.0.0.1]:1234: Connection reset by peer");
+  }
+  if (scenario == "exit0_rank1" && env.rank == 1) {
+    std::this_thread::sleep_for(100ms);
+    std::exit(0);  // user code ending the program while the other ranks still train
+  }
   std::this_thread::sleep_for(60s);  // stands for a rank blocked in a collective
 }
 
@@ -69,6 +83,5 @@ int main() {
     std::fprintf(stderr, "launcher_child: expected to be started by trainloop::dist::Launcher\n");
     return 2;
   }
-  dist::die_with_parent();
   return dist::run_reporting_failure(*env, [&] { run_scenario(*env); });
 }

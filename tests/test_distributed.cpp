@@ -3,11 +3,17 @@
 
 #include "ddp_test_model.hpp"
 
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <netinet/in.h>
 #include <unistd.h>
 
 #include <array>
+#include <csignal>
+#include <iterator>
+#include <thread>
+#include <vector>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -31,8 +37,10 @@ WorkerRun run_worker(const std::string& scenario, int world, int port = 0, const
   run.dir = fs::temp_directory_path() / ("trainloop_ddp_" + scenario + "_" + std::to_string(world) + "_" +
                                          std::to_string(::getpid()));
   fs::remove_all(run.dir);
-  fs::create_directories(run.dir);
-  std::string command = env + " " + DDP_WORKER_PATH + " " + scenario + " " + std::to_string(world) + " " +
+  fs::create_directories(run.dir / "tmp");
+  // The job's temporary files (run directories, kept error texts) go where the test removes them.
+  const std::string tmpdir = env.find("TMPDIR=") == std::string::npos ? "TMPDIR=" + (run.dir / "tmp").string() : "";
+  std::string command = tmpdir + " " + env + " " + DDP_WORKER_PATH + " " + scenario + " " + std::to_string(world) + " " +
                         run.dir.string() + " " + std::to_string(port) + " 2>&1";
   auto start = std::chrono::steady_clock::now();
   FILE* pipe = ::popen(command.c_str(), "r");
@@ -177,4 +185,315 @@ BOOST_AUTO_TEST_CASE(ranks_started_by_hand_with_torchrun_variables_join_the_job)
   BOOST_TEST((rank0 - reference_params(2, 1)).abs().max().item<double>() <= 1e-5);
   BOOST_TEST(fs::exists(dir / "result.txt"));  // written by rank 0, the main process under torchrun
   fs::remove_all(dir);
+}
+
+// ---- Same numbers in every launch path -------------------------------------------------------
+
+namespace {
+
+/// Runs `DDP_WORKER_PATH scenario` as `world` ranks started by hand with torchrun's variables;
+/// returns the combined output once all ended.
+std::string run_torchrun_style(const std::string& scenario, int world, const fs::path& dir) {
+  const int port = tl::dist::find_free_port();
+  std::string common = "WORLD_SIZE=" + std::to_string(world) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
+                       " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " ";
+  std::string command = "(";
+  for (int rank = 0; rank < world; ++rank) {
+    command += common + "RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank) + " " + DDP_WORKER_PATH +
+               " " + scenario + " " + std::to_string(world) + " " + dir.string() + (rank + 1 < world ? " & " : "; wait");
+  }
+  command += ") 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buffer{};
+  while (size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
+  ::pclose(pipe);
+  return output;
+}
+
+std::map<std::string, double> read_result(const fs::path& path) {
+  std::map<std::string, double> result;
+  std::ifstream in(path);
+  std::string key;
+  double value;
+  while (in >> key >> value) result[key] = value;
+  return result;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("trainloop_ddp_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+/// One process doing what ddp_worker's scenario does with `world` ranks of batch 4.
+struct OneProcess {
+  Mlp net;
+  torch::optim::SGD optimizer;
+  tl::TrainLoopOptions options;
+  explicit OneProcess(int world)
+      : net((torch::manual_seed(5), Mlp())),
+        optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+        options(tl::TrainLoopOptions().batch_size(4 * world).shuffle(false).metrics({std::make_shared<tl::Accuracy>()})) {}
+  tl::TrainLoop<Mlp> loop(int world) { return {net, make_data(4 * world * 5, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), options}; }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(evaluate_and_predict_give_every_rank_the_whole_dataset_before_between_and_after_fits) {
+  // Under torchrun: before the first fit the engine was never prepared, so each rank used to
+  // report its own shard (rank 0: n=49, rank 1: n=48).
+  const int world = 2;
+  auto dir = fresh_dir("evaluate_everywhere");
+  auto output = run_torchrun_style("evaluate_everywhere", world, dir);
+  BOOST_TEST_MESSAGE(output);
+
+  OneProcess reference(world);
+  auto loop = reference.loop(world);
+  const auto val = make_data(97, 2);
+  std::map<std::string, tl::EvalResult> expected;
+  expected["before"] = loop.evaluate(val);
+  const auto predict_before = loop.predict(val);
+  loop.fit(1);
+  expected["between"] = loop.evaluate(val);
+  loop.fit(1);
+  expected["after"] = loop.evaluate(val);
+  const auto predict_after = loop.predict(val);
+
+  for (int rank = 0; rank < world; ++rank) {
+    auto result = read_result(dir / ("result" + std::to_string(rank) + ".txt"));
+    for (const auto& [when, reference_result] : expected) {
+      BOOST_TEST_MESSAGE("rank " << rank << " " << when << ": n=" << result[when + "_samples"] << " loss "
+                                 << result[when + "_loss"] << " vs one process " << reference_result.loss);
+      BOOST_TEST(result[when + "_samples"] == 97);
+      BOOST_TEST(std::abs(result[when + "_loss"] - reference_result.loss) <= 1e-6);
+      BOOST_TEST(std::abs(result[when + "_accuracy"] - reference_result.metrics.at("accuracy")) <= 1e-9);
+    }
+    for (const auto& [name, reference_outputs] :
+         {std::pair{std::string("predict_before"), predict_before}, std::pair{std::string("predict_after"), predict_after}}) {
+      torch::Tensor outputs;
+      torch::load(outputs, (dir / (name + std::to_string(rank) + ".pt")).string());
+      BOOST_TEST(outputs.sizes() == reference_outputs.sizes());
+      BOOST_TEST((outputs - reference_outputs).abs().max().item<double>() <= 1e-5);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(two_train_loops_over_one_model_under_torchrun_match_one_process) {
+  // The first loop's gradient hooks used to outlive its fit: the second loop's fit threw "the
+  // gradient of parameter #5 became ready twice in one step".
+  const int world = 2;
+  auto dir = fresh_dir("two_loops");
+  auto output = run_torchrun_style("two_loops", world, dir);
+  BOOST_TEST_MESSAGE(output);
+  BOOST_TEST(output.find("became ready twice") == std::string::npos);
+
+  OneProcess reference(world);
+  auto first = reference.loop(world);
+  first.fit(1);
+  torch::optim::SGD second_optimizer(reference.net->parameters(), torch::optim::SGDOptions(0.02));
+  tl::TrainLoop<Mlp> second(reference.net, make_data(4 * world * 5, 1), {}, second_optimizer,
+                            torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions(reference.options).clip_grad_norm(0.5));
+  second.fit(1);
+  first.fit(1);
+  const auto expected = flat_params(reference.net->parameters());
+  for (int rank = 0; rank < world; ++rank) {
+    const auto path = dir / ("params" + std::to_string(rank) + ".pt");
+    BOOST_REQUIRE_MESSAGE(fs::exists(path), "rank " << rank << " did not finish");
+    const double difference = (load_params(path.string()) - expected).abs().max().item<double>();
+    BOOST_TEST_MESSAGE("rank " << rank << ": max |ddp - one process| = " << difference);
+    BOOST_TEST(difference <= 1e-5);
+  }
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(code_between_spawned_fits_sees_the_trained_model_and_the_new_optimizer_options) {
+  // The program lowers the lr (and momentum) when evaluate() improved after the first fit. The
+  // ranks used to train the second fit with the old options (libtorch 1.13's Optimizer::load
+  // drops param-group options): max |param diff| 0.31 against one process.
+  auto run = run_worker("lr_between_fits", 2);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  BOOST_TEST(run.result["lowered"] == 1);
+  BOOST_TEST(std::abs(run.result["lr"] - 0.01) <= 1e-12);
+
+  OneProcess reference(2);
+  tl::TrainLoop<Mlp> loop(reference.net, make_data(40, 1), make_data(40, 2), reference.optimizer,
+                          torch::nn::CrossEntropyLoss(), reference.options);
+  const auto before = loop.evaluate(make_data(40, 2));
+  loop.fit(1);
+  BOOST_REQUIRE(loop.evaluate(make_data(40, 2)).loss < before.loss);
+  for (auto& group : reference.optimizer.param_groups()) {
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(0.01).momentum(0.5);
+  }
+  loop.fit(1);
+  const double difference =
+      (load_params((run.dir / "params.pt").string()) - flat_params(reference.net->parameters())).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("max |spawned ddp - one process| = " << difference);
+  BOOST_TEST(difference <= 1e-5);
+  fs::remove_all(run.dir);
+}
+
+// ---- Failures end cleanly, and say what happened ---------------------------------------------
+
+namespace {
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet, which runs no code).
+bool process_ended(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto state = text.find(") ");
+  return state != std::string::npos && (text[state + 2] == 'Z' || text[state + 2] == 'X');
+}
+
+/// The trainloop-* entries in `dir` (run and session directories, kept error files).
+std::vector<std::string> trainloop_entries(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("trainloop-", 0) == 0) names.push_back(entry.path().filename());
+  }
+  return names;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(killing_the_launcher_takes_every_rank_with_it_and_its_directory_is_cleaned_later) {
+  auto dir = fresh_dir("kill_launcher");
+  auto tmp = dir / "tmp";
+  fs::create_directories(tmp);
+  const std::string tmp_env = "TMPDIR=" + tmp.string();
+  const std::string path = DDP_WORKER_PATH;
+  std::vector<std::string> args{path, "long", "2", dir.string()};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings{tmp_env, "PATH=/usr/bin:/bin"};
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t launcher = 0;
+  BOOST_REQUIRE(::posix_spawn(&launcher, path.c_str(), nullptr, nullptr, argv.data(), envp.data()) == 0);
+
+  std::vector<pid_t> ranks;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (ranks.size() < 2 && std::chrono::steady_clock::now() < deadline) {
+    ranks.clear();
+    for (int rank = 0; rank < 2; ++rank) {
+      std::ifstream in(dir / ("rank" + std::to_string(rank) + ".pid"));
+      pid_t pid = 0;
+      if (in >> pid) ranks.push_back(pid);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  BOOST_REQUIRE_MESSAGE(ranks.size() == 2, "the ranks never started training");
+  BOOST_TEST(trainloop_entries(tmp).size() == 1u);  // the launcher's session directory
+
+  ::kill(launcher, SIGKILL);  // no chance to clean up, as with the OOM killer
+  ::waitpid(launcher, nullptr, 0);
+  const auto killed = std::chrono::steady_clock::now();
+  bool all_ended = false;
+  while (!all_ended && std::chrono::steady_clock::now() - killed < std::chrono::seconds(5)) {
+    all_ended = process_ended(ranks[0]) && process_ended(ranks[1]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  BOOST_TEST_MESSAGE("ranks ended " << std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count()
+                                    << " s after the launcher was killed");
+  BOOST_TEST(all_ended);
+  if (!all_ended) {
+    for (pid_t pid : ranks) ::kill(pid, SIGKILL);
+  }
+  BOOST_TEST(trainloop_entries(tmp).size() == 1u);  // left behind: nobody could remove it
+
+  // The next launcher (here: a short job) removes what the dead one left.
+  auto next = run_worker("train", 2, 0, tmp_env);
+  BOOST_REQUIRE_MESSAGE(next.exit_code == 0, next.output);
+  BOOST_TEST(trainloop_entries(tmp).empty());
+  fs::remove_all(next.dir);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_rank_error_deep_in_libtorch_reaches_the_user_in_its_own_words_and_type) {
+  auto run = run_worker("bad_label", 2);
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 4);  // caught as c10::Error in the caller
+  // The message leads with the rank and its error, not with the tail of a backtrace.
+  const auto lead = run.output.find("rank 1 failed: ");
+  BOOST_REQUIRE(lead != std::string::npos);
+  const auto target = run.output.find("Target 7 is out of bounds");
+  BOOST_TEST(target != std::string::npos);
+  BOOST_TEST(target > lead);
+  BOOST_TEST(target - lead < 200);
+  // The rank printed it on its own stderr too, and the complete text (backtrace) is in a file
+  // the message names.
+  BOOST_TEST(run.output.find("trainloop: rank 1 failed: ") != std::string::npos);
+  const std::string marker = "its complete error with backtrace: ";
+  const auto at = run.output.find(marker);
+  BOOST_REQUIRE(at != std::string::npos);
+  const std::string file = run.output.substr(at + marker.size(), run.output.find('\n', at) - at - marker.size());
+  std::ifstream full(file);
+  std::string text((std::istreambuf_iterator<char>(full)), std::istreambuf_iterator<char>());
+  BOOST_TEST(text.find("Target 7 is out of bounds") != std::string::npos);
+  BOOST_TEST(text.find("frame #") != std::string::npos);  // libtorch's backtrace
+  fs::remove(file);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_crashed_rank_is_named_not_the_peer_that_lost_it) {
+  for (int repetition = 0; repetition < 3; ++repetition) {
+    auto run = run_worker("segv", 2);
+    BOOST_TEST_MESSAGE(run.output);
+    BOOST_TEST(run.exit_code == 3);
+    BOOST_TEST(run.output.find("RANK_FAILED rank=1") != std::string::npos);
+    BOOST_TEST(run.output.find("SIGSEGV") != std::string::npos);
+    BOOST_TEST(leftover_workers() == 0);
+    fs::remove_all(run.dir);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_rank_that_exits_0_mid_training_is_named_as_such) {
+  auto run = run_worker("exit0", 2);
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 3);
+  BOOST_TEST(run.output.find("RANK_FAILED rank=1") != std::string::npos);
+  BOOST_TEST(run.output.find("exited with status 0 before its work was done") != std::string::npos);
+  BOOST_TEST(run.seconds < 15);
+  BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(an_out_of_memory_error_in_a_rank_is_caught_as_c10_out_of_memory_by_the_caller) {
+  auto run = run_worker("oom", 2);
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 5);
+  BOOST_TEST(run.output.find("simulated: CUDA out of memory on rank 1") != std::string::npos);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_program_that_ignores_sigchld_still_runs_ddp) {
+  // With SIGCHLD ignored the kernel reaps the ranks itself; a successful job used to fail with
+  // "reaped by someone else".
+  auto run = run_worker("sigchld_ignored", 2);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  auto difference = (load_params((run.dir / "params.pt").string()) - reference_params(2, 1)).abs().max().item<double>();
+  BOOST_TEST(difference <= 1e-5);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_timeout_of_zero_is_rejected_before_any_rank_starts) {
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05));
+  std::string message;
+  try {
+    tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> loop(
+        net, make_data(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions(),
+        tl::gpu_mode::DistributedDataParallel().device_type(torch::kCPU).timeout(std::chrono::milliseconds(0)));
+    loop.fit(1);
+  } catch (const tl::ConfigurationError& error) {
+    message = error.what();
+  }
+  BOOST_TEST(message.find("timeout is 0 ms") != std::string::npos, message);
+  BOOST_TEST(leftover_workers() == 0);
 }

@@ -3,9 +3,9 @@
 
 #include "thread_ranks.hpp"
 
-#include <trainloop/dist/free_port.hpp>
-#include <trainloop/dist/gradient_reducer.hpp>
-#include <trainloop/dist/model_sync.hpp>
+#include <trainloop/distributed/free_port.hpp>
+#include <trainloop/distributed/gradient_reducer.hpp>
+#include <trainloop/distributed/model_sync.hpp>
 
 #include <chrono>
 #include <exception>

@@ -4,8 +4,9 @@
 #include "test_support.hpp"
 #include "thread_ranks.hpp"
 
-#include <trainloop/dist/free_port.hpp>
-#include <trainloop/dist/process_group.hpp>
+#include <trainloop/distributed/free_port.hpp>
+#include <trainloop/distributed/process_group.hpp>
+#include <trainloop/distributed/rendezvous.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -131,6 +132,46 @@ BOOST_AUTO_TEST_CASE(unreachable_master_times_out_with_address_and_timeout) {
   RANK_TEST(seconds < 3.0);   // ...and no longer
   RANK_TEST(message.find("127.0.0.1:" + std::to_string(port)) != std::string::npos);
   RANK_TEST(message.find("1000 ms") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(a_master_that_drops_packets_times_out_on_time) {
+  // A listening socket whose accept queue is full drops new connection requests silently, as a
+  // firewall does: the client gets no answer at all. A blocking connect waited ~130 s (the
+  // kernel's SYN retries) while the message promised the timeout.
+  const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  BOOST_REQUIRE(::bind(server, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  BOOST_REQUIRE(::listen(server, 0) == 0);
+  socklen_t length = sizeof address;
+  ::getsockname(server, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  const int filler = ::socket(AF_INET, SOCK_STREAM, 0);  // fills the queue of length 1
+  BOOST_REQUIRE(::connect(filler, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  BOOST_REQUIRE((dist::probe_connection("127.0.0.1", port, 300ms) == dist::ConnectProbe::NoAnswer));
+
+  dist::ProcessGroupOptions options;
+  options.rank = 1;
+  options.world_size = 2;
+  options.master_port = port;
+  options.timeout = 2000ms;
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    dist::ProcessGroup::create(options);
+  } catch (const trainloop::CommunicationError& error) {
+    message = error.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::close(filler);
+  ::close(server);
+  BOOST_TEST_MESSAGE("gave up after " << seconds << " s: " << message);
+  BOOST_TEST(seconds >= 1.8);
+  BOOST_TEST(seconds < 4.0);  // the timeout plus at most one attempt
+  BOOST_TEST(message.find("127.0.0.1:" + std::to_string(port)) != std::string::npos, message);
+  BOOST_TEST(message.find("within the timeout of 2000 ms") != std::string::npos, message);
+  BOOST_TEST(message.find("no answer") != std::string::npos, message);
 }
 
 BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) {

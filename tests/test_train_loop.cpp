@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <unistd.h>
 
 namespace tl = trainloop;
 
@@ -240,10 +241,15 @@ BOOST_AUTO_TEST_CASE(bad_input_gives_clear_errors) {
   BOOST_TEST(labels.find("label 7") != std::string::npos, labels);
   BOOST_TEST(labels.find("[0, 3)") != std::string::npos, labels);
 
-  auto wrong_shape = error_of([&] {
+  // A libtorch error stays a c10::Error (users catch its type), with the loop's context added.
+  std::string wrong_shape = "<no c10::Error was thrown>";
+  try {
     make(tl::data::TensorDataset(torch::randn({6, 5}), torch::zeros({6}, torch::kLong)), tl::TrainLoopOptions().batch_size(3)).fit(1);
-  });
+  } catch (const c10::Error& error) {
+    wrong_shape = error.what_without_backtrace();
+  }
   BOOST_TEST(wrong_shape.find("forward() on an input batch of shape [3, 5]") != std::string::npos, wrong_shape);
+  BOOST_TEST(wrong_shape.find("while training epoch 1, after batch 0 of 2") != std::string::npos, wrong_shape);
 
   auto missing = error_of([&] { tl::data::FashionMNIST(tl::data::FashionMNIST::Split::Train, "/nonexistent/fmnist"); });
   BOOST_TEST(missing.find("/nonexistent/fmnist") != std::string::npos, missing);
@@ -251,6 +257,10 @@ BOOST_AUTO_TEST_CASE(bad_input_gives_clear_errors) {
 
   auto epochs0 = error_of([&] { make(blobs(10, 1), {}).fit(0); });
   BOOST_TEST(epochs0.find("expected a positive number") != std::string::npos, epochs0);
+  auto negative = error_of([&] { make(blobs(10, 1), {}).fit(-3); });
+  BOOST_TEST(negative == "trainloop: fit length is -3 epochs; expected a positive number of epochs");
+  auto negative_steps = error_of([&] { make(blobs(10, 1), {}).fit(tl::FitLength::iterations(-2)); });
+  BOOST_TEST(negative_steps == "trainloop: fit length is -2 iterations; expected a positive number of iterations");
 }
 
 BOOST_AUTO_TEST_CASE(a_plain_module_type_works_through_a_shared_ptr) {
@@ -312,4 +322,72 @@ BOOST_AUTO_TEST_CASE(a_run_time_mode_that_cannot_serve_the_model_is_a_clear_erro
                                                 tl::TrainLoopOptions().batch_size(5), tl::gpu_mode::parse("dp"));
   auto message = error_of([&] { dp.fit(1); });
   BOOST_TEST(message.find("gpu mode dp cannot train this model") != std::string::npos, message);
+}
+
+// ---- Errors keep their type ------------------------------------------------------------------
+
+namespace {
+/// The test net, whose forward throws libtorch's out-of-memory error from the 3rd call on.
+struct OomNetImpl : NetImpl {
+  int calls = 0;
+  torch::Tensor forward(torch::Tensor x) {
+    if (++calls >= 3) C10_THROW_ERROR(OutOfMemoryError, "simulated: CUDA out of memory");
+    return NetImpl::forward(x);
+  }
+};
+TORCH_MODULE(OomNet);
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(an_out_of_memory_error_reaches_the_caller_as_itself_in_single_and_dp) {
+  for (const std::string mode : {"single", "dp"}) {
+    torch::manual_seed(3);
+    OomNet net;
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+    tl::TrainLoop<OomNet, tl::gpu_mode::Any> loop(net, blobs(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                                                  tl::TrainLoopOptions().batch_size(8), tl::gpu_mode::parse(mode));
+    std::string message = "<no c10::OutOfMemoryError was thrown>";
+    try {
+      loop.fit(1);
+    } catch (const c10::OutOfMemoryError& error) {  // what a caller backing off its batch size catches
+      message = error.what_without_backtrace();
+    }
+    BOOST_TEST_MESSAGE(mode << ": " << message);
+    BOOST_TEST(message.find("simulated: CUDA out of memory") != std::string::npos, message);
+    BOOST_TEST(message.find("while training epoch 1") != std::string::npos, message);
+    if (mode == "dp") BOOST_TEST(message.find("DataParallel replica") != std::string::npos, message);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(configuration_errors_have_their_own_type) {
+  auto net = seeded_net(4);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  BOOST_CHECK_THROW(tl::TrainLoop<Net>(net, blobs(10, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                                       tl::TrainLoopOptions().batch_size(-1)),
+                    tl::ConfigurationError);
+  BOOST_CHECK_THROW(tl::gpu_mode::parse("tpu"), tl::ConfigurationError);
+}
+
+// ---- Files are written atomically --------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(a_csv_logger_on_a_directory_is_a_clear_error_that_leaves_nothing_behind) {
+  const auto dir = std::filesystem::temp_directory_path() / ("trainloop_csv_dir_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto net = seeded_net(6);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(20, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(5));
+  std::string message;
+  try {
+    loop.fit(1, {std::make_shared<tl::CsvLogger>(dir)});
+  } catch (const tl::Error& error) {  // not std::filesystem::filesystem_error
+    message = error.what();
+  }
+  BOOST_TEST(message.find(dir.string() + " is a directory; expected a file path") != std::string::npos, message);
+  BOOST_TEST(std::filesystem::is_empty(dir));  // no dir/.tmp
+  int stray = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.parent_path())) {
+    stray += entry.path().filename().string().rfind(dir.filename().string() + ".tmp", 0) == 0 ? 1 : 0;
+  }
+  BOOST_TEST(stray == 0);
+  std::filesystem::remove_all(dir);
 }

@@ -14,6 +14,7 @@
 ///   `Batch to(torch::Device) const` (without it the model moves what it needs itself).
 ///   When both contracts fit, the custom one wins.
 
+#include <trainloop/detail/error_context.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>
@@ -114,11 +115,6 @@ Batch batch_to_device(const Batch& batch, const torch::Device& device) {
   }
 }
 
-/// Rethrows a libtorch error from the model or criterion with what the loop was doing and the
-/// shapes involved, so a shape mismatch names the shape that was fed.
-[[noreturn]] inline void rethrow_with_context(const std::exception& error, const std::string& what_doing) {
-  throw Error(concat("trainloop: ", what_doing, " failed: ", error.what()));
-}
 
 /// Throws a clear error when integer class labels fall outside the model's output classes.
 inline void check_labels_in_range(const torch::Tensor& output, const torch::Tensor& target) {
@@ -130,7 +126,7 @@ inline void check_labels_in_range(const torch::Tensor& output, const torch::Tens
   if (!bad.any().item<bool>()) return;
   auto position = bad.nonzero()[0][0].item<int64_t>();
   auto label = target[position].item<int64_t>();
-  throw Error(concat("trainloop: label ", label, " (sample ", position, " of the batch) is out of range: the model outputs ",
+  throw ConfigurationError(concat("trainloop: label ", label, " (sample ", position, " of the batch) is out of range: the model outputs ",
                      classes, " classes, so labels must be in [0, ", classes, ")"));
 }
 
@@ -143,8 +139,8 @@ StepOutput forward_batch(Impl& module, const Batch& batch, Criterion& criterion,
   if constexpr (HasCustomContract<Impl, Batch>) {
     try {
       out.loss = module.batch_loss(batch, criterion);
-    } catch (const c10::Error& e) {
-      rethrow_with_context(e, "the model's batch_loss()");
+    } catch (const c10::Error&) {
+      rethrow_with_context("trainloop: the model's batch_loss() failed");
     }
     if (!torch::GradMode::is_enabled()) {
       Predictions predictions = module.batch_predictions(batch);
@@ -155,15 +151,17 @@ StepOutput forward_batch(Impl& module, const Batch& batch, Criterion& criterion,
     torch::Tensor output;
     try {
       output = module.forward(batch.data);
-    } catch (const c10::Error& e) {
-      rethrow_with_context(e, concat("the model's forward() on an input batch of shape ", batch.data.sizes()));
+    } catch (const c10::Error&) {
+      // Same error object and type (c10::OutOfMemoryError stays catchable), with the shape fed.
+      rethrow_with_context(concat("trainloop: the model's forward() on an input batch of shape ", batch.data.sizes(),
+                                  " failed"));
     }
     if (check_labels) check_labels_in_range(output, batch.target);
     try {
       out.loss = criterion(output, batch.target);
-    } catch (const c10::Error& e) {
-      rethrow_with_context(e, concat("the criterion on output of shape ", output.sizes(), " and target of shape ",
-                                     batch.target.sizes()));
+    } catch (const c10::Error&) {
+      rethrow_with_context(concat("trainloop: the criterion on output of shape ", output.sizes(),
+                                  " and target of shape ", batch.target.sizes(), " failed"));
     }
     TRAINLOOP_CHECK(out.loss.numel() == 1, "the criterion returned a loss of shape ", out.loss.sizes(),
                     "; expected a scalar (mean over the batch)");

@@ -56,21 +56,21 @@ struct TrainLoopOptions {
 /// @brief How long fit() trains: a number of epochs, or an exact number of optimizer steps.
 class FitLength {
  public:
-  /// @brief Train for `n` whole epochs.
-  static FitLength epochs(int64_t n) { return FitLength(n, 0); }
+  /// @brief Train for `n` whole epochs. @throws trainloop::ConfigurationError unless n > 0.
+  static FitLength epochs(int64_t n) { return FitLength(n, 0, "epochs"); }
   /// @brief Train for exactly `n` optimizer steps, crossing epochs as needed.
-  static FitLength iterations(int64_t n) { return FitLength(0, n); }
+  /// @throws trainloop::ConfigurationError unless n > 0.
+  static FitLength iterations(int64_t n) { return FitLength(0, n, "iterations"); }
   /// @brief Epochs asked for (0 when fitting by iterations).
   int64_t epoch_count() const { return epochs_; }
   /// @brief Steps asked for (0 when fitting by epochs).
   int64_t iteration_count() const { return iterations_; }
 
  private:
-  FitLength(int64_t epochs, int64_t iterations) : epochs_(epochs), iterations_(iterations) {
-    TRAINLOOP_CHECK(epochs > 0 || iterations > 0, "fit length is ", epochs > 0 ? epochs : iterations,
-                    iterations_label(epochs), "; expected a positive number");
+  FitLength(int64_t epochs, int64_t iterations, const char* unit) : epochs_(epochs), iterations_(iterations) {
+    const int64_t asked = epochs != 0 ? epochs : iterations;
+    TRAINLOOP_CHECK(asked > 0, "fit length is ", asked, " ", unit, "; expected a positive number of ", unit);
   }
-  static const char* iterations_label(int64_t epochs) { return epochs == 0 ? " iterations" : " epochs"; }
   int64_t epochs_;
   int64_t iterations_;
 };

@@ -75,7 +75,7 @@ class TrainLoop {
 
   /// @brief Trains for a number of epochs or an exact number of optimizer steps.
   History fit(const FitLength& length, const CallbackList& callbacks = {}) {
-    return with_engine([&](auto& mode_engine) {
+    return with_prepared_engine([&](auto& mode_engine) {
       auto train = [&] { return runner().fit(mode_engine, length, callbacks); };
       // A mode may wrap the loop: DDP launches ranks here, or ends a spawned rank afterwards.
       if constexpr (requires { mode_engine.run_fit(optimizer_, train); }) {
@@ -86,35 +86,17 @@ class TrainLoop {
     });
   }
 
-  /// @brief Loss and the options' metrics over `dataset`, every sample counted once.
+  /// @brief Loss and the options' metrics over `dataset`, every sample counted once. Under DDP
+  /// every rank gets the whole dataset's result (each evaluates its shard; sums are reduced),
+  /// before, between and after fits.
   EvalResult evaluate(const data::AnyDataset<Batch>& dataset) {
-    return with_engine([&](auto& mode_engine) { return runner().evaluate(mode_engine, dataset); });
+    return with_prepared_engine([&](auto& mode_engine) { return runner().evaluate(mode_engine, dataset); });
   }
 
   /// @brief The model's outputs for every sample of `dataset`, in dataset order, on the CPU.
+  /// Under DDP each rank predicts its shard and every rank gets all outputs.
   torch::Tensor predict(const data::AnyDataset<Batch>& dataset) {
-    TRAINLOOP_CHECK(dataset.has_value() && dataset.size() > 0, "predict() needs a non-empty dataset");
-    const torch::Device device = with_engine([](auto& mode_engine) { return mode_engine.device(); });
-    auto& module = handle_.module();
-    const bool was_training = module.is_training();
-    module.eval();
-    std::vector<size_t> order(dataset.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(order),
-                                                      static_cast<size_t>(options_.effective_eval_batch_size()),
-                                                      static_cast<size_t>(options_.num_workers()), false);
-    std::vector<torch::Tensor> outputs;
-    torch::NoGradGuard no_grad;
-    for (auto&& batch : loader) {
-      auto on_device = detail::batch_to_device(batch, device);
-      if constexpr (detail::HasCustomContract<module_type, Batch>) {
-        outputs.push_back(module.batch_predictions(on_device).output.to(torch::kCPU));
-      } else {
-        outputs.push_back(module.forward(on_device.data).to(torch::kCPU));
-      }
-    }
-    module.train(was_training);
-    return torch::cat(outputs);
+    return with_prepared_engine([&](auto& mode_engine) { return runner().predict(mode_engine, dataset); });
   }
 
   /// @brief True on the process that should print and write files (rank 0; always true without DDP).
@@ -123,7 +105,7 @@ class TrainLoop {
   }
   /// @brief Waits for every rank (nothing to wait for without DDP).
   void barrier() {
-    with_engine([](auto& mode_engine) { mode_engine.barrier(); });
+    with_prepared_engine([](auto& mode_engine) { mode_engine.barrier(); });
   }
   /// @brief The model (holding the trained weights after fit()).
   const model_handle& model() const { return handle_.get(); }
@@ -144,12 +126,21 @@ class TrainLoop {
         if constexpr (detail::engine_supports_v<std::decay_t<decltype(chosen)>, Batch>) {
           return f(chosen);
         } else {
-          throw Error("trainloop: gpu mode dp cannot train this model: DataParallel needs a module that derives "
+          throw ConfigurationError("trainloop: gpu mode dp cannot train this model: DataParallel needs a module that derives "
                       "from torch::nn::Cloneable or is default-constructible, and batches of "
                       "torch::data::Example<> or with a split(parts) member; expected one of those, or mode single/ddp");
         }
       });
     }
+  }
+  /// with_engine, after the engine was prepared (model placed, replicas built, process group
+  /// joined): every entry point sees the model where training would put it.
+  template <class F>
+  decltype(auto) with_prepared_engine(F&& f) {
+    return with_engine([&](auto& mode_engine) -> decltype(auto) {
+      mode_engine.prepare();
+      return f(mode_engine);
+    });
   }
   detail::FitRunner<module_type, Batch> runner() {
     return detail::FitRunner<module_type, Batch>(handle_.module(), train_, validation_, optimizer_, criterion_, options_);

@@ -18,7 +18,7 @@
 #include <trainloop/data/fashion_mnist.hpp>
 #include <trainloop/data/tensor_dataset.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/dist/rank_session.hpp>
+#include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
 #include <trainloop/gpu_mode/distributed.hpp>
 #include <trainloop/gpu_mode/parse.hpp>

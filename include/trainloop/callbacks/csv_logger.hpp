@@ -3,12 +3,11 @@
 /// @brief CsvLogger: writes the history as CSV, one row per epoch, replaced atomically each epoch.
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/format.hpp>
 #include <trainloop/error.hpp>
 
-#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -17,8 +16,10 @@ namespace trainloop {
 /// @brief Writes one CSV row per finished epoch: epoch, steps, samples, train_loss, train
 /// metrics, validation loss and metrics, seconds, samples_per_second.
 ///
-/// The file is rewritten to a temporary file and renamed into place after every epoch, so a
-/// reader (or a crash) never sees a half-written file. Runs on the main process only.
+/// The file is rewritten atomically after every epoch (a unique temporary file, fsynced, renamed
+/// into place), so a reader (or a crash) never sees a half-written file. A path that is a
+/// directory or cannot be written is a trainloop::Error when fit() begins. Runs on the main
+/// process only.
 class CsvLogger : public Callback {
  public:
   /// @param path the CSV file to write (its directory must exist)
@@ -28,9 +29,9 @@ class CsvLogger : public Callback {
   bool main_process_only() const override { return true; }
 
   void on_fit_begin(TrainState&) override {
-    auto dir = path_.has_parent_path() ? path_.parent_path() : std::filesystem::path(".");
-    TRAINLOOP_CHECK(std::filesystem::is_directory(dir), "the CSV history file's directory ", dir.string(),
-                    " does not exist; expected an existing directory");
+    // A path that is a directory, or in a missing or read-only directory, fails here, before
+    // any training, rather than after the first epoch.
+    { detail::AtomicFile probe(path_, "the CSV history file"); }
     header_.clear();
     rows_.clear();
   }
@@ -68,16 +69,9 @@ class CsvLogger : public Callback {
     return line;
   }
   void write() const {
-    auto temporary = path_;
-    temporary += ".tmp";
-    {
-      std::ofstream out(temporary, std::ios::trunc);
-      TRAINLOOP_CHECK(out.good(), "cannot write the CSV history file ", temporary.string());
-      out << header_ << '\n';
-      for (const auto& row : rows_) out << row << '\n';
-      TRAINLOOP_CHECK(out.good(), "writing the CSV history file ", temporary.string(), " failed");
-    }
-    std::filesystem::rename(temporary, path_);
+    std::string text = header_ + '\n';
+    for (const auto& row : rows_) text += row + '\n';
+    detail::write_file_atomically(path_, text, "the CSV history file");
   }
 
   std::filesystem::path path_;

@@ -7,6 +7,7 @@
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
 #include <trainloop/data/shard_sampler.hpp>
+#include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/metric_accumulator.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/history.hpp>
@@ -71,7 +72,12 @@ class FitRunner {
     options_.validate();
     TRAINLOOP_CHECK(train_.has_value(), "fit() needs a training dataset");
     TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
-    engine.prepare(optimizer_);
+    engine.begin_fit(optimizer_);
+    // What lives only during this fit (DDP's gradient hooks) goes with it, also on an exception.
+    struct EndFit {
+      Engine& engine;
+      ~EndFit() { engine.end_fit(); }
+    } end_fit{engine};
     torch::manual_seed(options_.seed());
 
     CallbackList active;
@@ -110,7 +116,12 @@ class FitRunner {
       state.batch = 0;
       state.epoch_samples = 0;
       for (auto& cb : active) cb->on_epoch_begin(state);
-      EpochRecord record = train_epoch(engine, shard, state, active, fit_clock);
+      EpochRecord record = with_error_context([&] { return train_epoch(engine, shard, state, active, fit_clock); },
+                                              [&] {
+                                                return concat("trainloop: while training epoch ", state.epoch,
+                                                              ", after batch ", state.batch, " of ",
+                                                              state.batches_per_epoch, " (rank ", engine.rank(), ")");
+                                              });
       if (validation_.has_value()) {
         record.validation = evaluate(engine, validation_);
         for (auto& cb : active) cb->on_validation_end(state, *record.validation);
@@ -154,6 +165,55 @@ class FitRunner {
     auto values = sums.compute(totals);
     module_.train(was_training);
     return EvalResult{values.loss, values.samples, values.metrics};
+  }
+
+  /// The model's outputs for every sample of `dataset`, in dataset order, on the CPU, on every
+  /// rank: each rank predicts its evaluation shard, the shards are gathered and interleaved back
+  /// (shard r holds samples r, r+world, ...).
+  template <ModeEngine Engine>
+  torch::Tensor predict(Engine& engine, const data::AnyDataset<Batch>& dataset) {
+    TRAINLOOP_CHECK(dataset.has_value() && dataset.size() > 0, "predict() needs a non-empty dataset");
+    const bool was_training = module_.is_training();
+    module_.eval();
+    const auto shard = engine.data_shard();
+    TRAINLOOP_CHECK(static_cast<int64_t>(dataset.size()) >= shard.world_size, "predict() over ", dataset.size(),
+                    " samples with ", shard.world_size, " ranks; expected at least one sample per rank");
+    auto indices = shard_indices(dataset.size(), shard, false, options_, 0);
+    const int64_t local_count = static_cast<int64_t>(indices.size());
+    data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
+                                                      static_cast<size_t>(options_.effective_eval_batch_size()),
+                                                      static_cast<size_t>(options_.num_workers()), false);
+    auto forward = [](Module& replica, const Batch& b) {
+      StepOutput out;
+      out.samples = batch_size_of(b);
+      if constexpr (HasCustomContract<Module, Batch>) {
+        out.output = replica.batch_predictions(b).output;
+      } else {
+        out.output = replica.forward(b.data);
+      }
+      return out;
+    };
+    std::vector<torch::Tensor> outputs;
+    for (auto&& batch : loader) {
+      engine.eval_batch(batch, forward, [&](const StepOutput& out) { outputs.push_back(out.output); });
+    }
+    module_.train(was_training);
+    torch::Tensor local = outputs.empty() ? torch::Tensor() : torch::cat(outputs);
+    if (shard.world_size == 1) return local.to(torch::kCPU);
+
+    // Shards differ by at most one sample: pad to the largest, gather, drop the padding.
+    const int64_t world = shard.world_size;
+    const int64_t largest = (static_cast<int64_t>(dataset.size()) + world - 1) / world;
+    std::vector<int64_t> shape = local.sizes().vec();
+    shape[0] = largest;
+    torch::Tensor padded = torch::zeros(shape, local.options());
+    padded.narrow(0, 0, local_count).copy_(local);
+    torch::Tensor gathered = engine.all_gather(padded).to(torch::kCPU);  // [world, largest, ...]
+    // Row i of the dataset is row i / world of shard i % world: transpose the first two
+    // dimensions and flatten them, then cut the padding off the end.
+    std::vector<int64_t> flat_shape = shape;
+    flat_shape[0] = world * largest;
+    return gathered.transpose(0, 1).reshape(flat_shape).narrow(0, 0, static_cast<int64_t>(dataset.size()));
   }
 
  private:

@@ -2,6 +2,7 @@
 /// @file
 /// @brief Writes and reads a History as text, so a spawned rank can hand it to the launcher.
 
+#include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/history.hpp>
 
@@ -16,25 +17,20 @@ namespace trainloop::detail {
 
 /// One line per epoch: `key value` pairs separated by tabs; metric names never hold tabs.
 inline void write_history(const History& history, const std::filesystem::path& path) {
-  auto temporary = path;
-  temporary += ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    TRAINLOOP_CHECK(out.good(), "cannot write ", temporary.string());
-    out << std::setprecision(std::numeric_limits<double>::max_digits10);
-    out << "total_steps\t" << history.total_steps << "\tstop_reason\t" << history.stop_reason << '\n';
-    for (const auto& e : history.epochs) {
-      out << "epoch\t" << e.epoch << "\tsteps\t" << e.steps << "\tsamples\t" << e.samples << "\ttrain_loss\t"
-          << e.train_loss << "\tseconds\t" << e.seconds << "\tsamples_per_second\t" << e.samples_per_second;
-      for (const auto& [name, value] : e.train_metrics) out << "\ttrain:" << name << '\t' << value;
-      if (e.validation) {
-        out << "\tval_loss\t" << e.validation->loss << "\tval_samples\t" << e.validation->samples;
-        for (const auto& [name, value] : e.validation->metrics) out << "\tval:" << name << '\t' << value;
-      }
-      out << '\n';
+  std::ostringstream out;
+  out << std::setprecision(std::numeric_limits<double>::max_digits10);
+  out << "total_steps\t" << history.total_steps << "\tstop_reason\t" << history.stop_reason << '\n';
+  for (const auto& e : history.epochs) {
+    out << "epoch\t" << e.epoch << "\tsteps\t" << e.steps << "\tsamples\t" << e.samples << "\ttrain_loss\t"
+        << e.train_loss << "\tseconds\t" << e.seconds << "\tsamples_per_second\t" << e.samples_per_second;
+    for (const auto& [name, value] : e.train_metrics) out << "\ttrain:" << name << '\t' << value;
+    if (e.validation) {
+      out << "\tval_loss\t" << e.validation->loss << "\tval_samples\t" << e.validation->samples;
+      for (const auto& [name, value] : e.validation->metrics) out << "\tval:" << name << '\t' << value;
     }
+    out << '\n';
   }
-  std::filesystem::rename(temporary, path);
+  write_file_atomically(path, out.str(), "the training history");
 }
 
 /// Reads what write_history() wrote.

@@ -12,8 +12,8 @@
 #define TRAINLOOP_TORCH_2 (TORCH_VERSION_MAJOR >= 2)
 
 // ===================================================================================================
-// Section: c10d collectives and autograd hooks (owner: dist/process_group.hpp,
-// dist/gradient_reducer.hpp). Checked against pytorch v2.x sources
+// Section: c10d collectives and autograd hooks (owner: distributed/process_group.hpp,
+// distributed/gradient_reducer.hpp, distributed/backend_factory.hpp). Checked against pytorch v2.x sources
 // (torch/csrc/distributed/c10d/{Backend,ProcessGroupGloo,ProcessGroupNCCL,Work}.hpp,
 // torch/csrc/autograd/{function_hook,function}.h) and Debian's 1.13 headers.
 //

@@ -5,9 +5,10 @@
 
 #include <trainloop/detail/batch_split.hpp>
 #include <trainloop/detail/blas_threads.hpp>
+#include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/replica_set.hpp>
 #include <trainloop/detail/worker_pool.hpp>
-#include <trainloop/dist/threads.hpp>
+#include <trainloop/distributed/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/gpu_mode/single.hpp>
@@ -87,8 +88,9 @@ namespace gpu_mode {
 /// Batches are `torch::data::Example<>`, or a type with `std::vector<Batch> split(int64_t parts) const`.
 ///
 /// **Errors.** An exception in any replica's forward or backward is rethrown on the calling thread
-/// as trainloop::Error naming the replica and its device, after every worker of that batch has
-/// finished. Workers are joined when the TrainLoop is destroyed, after an exception too.
+/// after every worker of that batch has finished, naming the replica and its device: a libtorch
+/// error as itself with that context added (so `catch (const c10::OutOfMemoryError&)` works),
+/// anything else nested in a trainloop::Error. Workers are joined when the TrainLoop is destroyed, after an exception too.
 struct DataParallel {
   /// Name used by gpu_mode::parse and in messages.
   static constexpr const char* name = "dp";
@@ -153,19 +155,6 @@ inline int data_parallel_threads_per_replica(const gpu_mode::DataParallel& mode,
   return std::max(1, dist::usable_cpu_count() / static_cast<int>(replicas));
 }
 
-/// Text of a captured exception, without libtorch's C++ backtrace.
-inline std::string exception_text(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-
 /// The engine of gpu_mode::DataParallel (see the policy's documentation for the behaviour).
 template <class Module>
 class DataParallelEngine {
@@ -182,17 +171,19 @@ class DataParallelEngine {
   torch::Device device() const { return devices_[0]; }
   DataShard data_shard() const { return {}; }
   void all_reduce_sum(torch::Tensor&) {}
+  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
   bool any_rank(bool flag) { return flag; }
   void barrier() {}
 
-  /// Places the model on devices[0], builds the replicas and workers once, and refreshes the
-  /// replicas from the model (which may have changed since the last fit()).
-  void prepare(torch::optim::Optimizer&) {
-    module_->to(devices_[0]);
+  /// Places the model on devices[0] and builds the replicas and workers (once).
+  void prepare() { ensure_started(); }
+  /// Refreshes the replicas from the model (which may have changed since the last fit()).
+  void begin_fit(torch::optim::Optimizer&) {
     ensure_started();
     replicas_->clear_replica_gradients();
     replicas_->copy_to_replicas(/*only_changed=*/false);
   }
+  void end_fit() noexcept {}
 
   /// Forward and backward of every shard on its replica, in parallel; then sink(out) per shard, in order.
   template <class Batch, class Forward, class Sink>
@@ -316,9 +307,18 @@ class DataParallelEngine {
       }
     }
     if (!first) return;
-    throw Error(concat("trainloop: DataParallel replica ", *first, " (device ", devices_[*first].str(), ") failed during ",
-                       stage, ": ", exception_text(errors[*first]),
-                       others.empty() ? std::string() : concat(" [replica(s) ", others, " failed too]")));
+    const std::string where = concat("trainloop: DataParallel replica ", *first, " (device ", devices_[*first].str(),
+                                     ") failed during ", stage,
+                                     others.empty() ? std::string() : concat(" [replica(s) ", others, " failed too]"));
+    try {
+      std::rethrow_exception(errors[*first]);
+    } catch (const c10::Error&) {
+      rethrow_with_context(where);  // the replica's own error object: c10::OutOfMemoryError stays catchable
+    } catch (const std::exception& error) {
+      std::throw_with_nested(Error(concat(where, ": ", error_text(error))));
+    } catch (...) {
+      throw Error(concat(where, ": an exception that is not a std::exception"));
+    }
   }
 
   gpu_mode::DataParallel mode_;

@@ -3,7 +3,7 @@
 /// @brief gpu_mode::DistributedDataParallel: one process per device or machine, gradients
 /// all-reduced in buckets during backward.
 ///
-/// How a run goes (DESIGN §4.1-4.2):
+/// How a run goes:
 /// - In a plain process, fit() becomes the launcher: it saves the model and optimizer, re-executes
 ///   this program once per local rank (dist::Launcher), waits, and loads the trained state back,
 ///   so the caller's model is trained when fit() returns. If a rank fails, the others are killed
@@ -13,16 +13,15 @@
 ///   data with a GradientReducer, and returns on every rank. A rank we spawned ends its process
 ///   when its fit() is done: the program after fit() runs once, in the launching process.
 
-#include <trainloop/dist/gradient_reducer.hpp>
-#include <trainloop/dist/launcher.hpp>
-#include <trainloop/dist/model_sync.hpp>
-#include <trainloop/dist/process_group.hpp>
-#include <trainloop/dist/rank_env.hpp>
-#include <trainloop/dist/rank_session.hpp>
-#include <trainloop/dist/spawned_rank.hpp>
-#include <trainloop/dist/state_transfer.hpp>
-#include <trainloop/dist/threads.hpp>
-#include <trainloop/detail/history_io.hpp>
+#include <trainloop/distributed/gradient_reducer.hpp>
+#include <trainloop/distributed/launcher.hpp>
+#include <trainloop/distributed/model_sync.hpp>
+#include <trainloop/distributed/process_group.hpp>
+#include <trainloop/distributed/rank_env.hpp>
+#include <trainloop/distributed/rank_session.hpp>
+#include <trainloop/distributed/spawn_relay.hpp>
+#include <trainloop/distributed/state_transfer.hpp>
+#include <trainloop/distributed/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/gpu_mode/single.hpp>
@@ -109,6 +108,10 @@ struct DistributedDataParallel {
                     "; expected 0 (pick a free one) or 1..65535");
     TRAINLOOP_CHECK(nnodes_ == 1 || master_port_ != 0, "a job of ", nnodes_,
                     " nodes needs an explicit master port (every node must use the same); got 0");
+    TRAINLOOP_CHECK(timeout_.count() > 0, "timeout is ", timeout_.count(),
+                    " ms; expected a positive limit for joining the group and for each collective");
+    TRAINLOOP_CHECK(kill_grace_period_.count() >= 0, "kill_grace_period is ", kill_grace_period_.count(),
+                    " ms; expected 0 or more");
     TRAINLOOP_CHECK(first_bucket_cap_bytes_ > 0 && bucket_cap_bytes_ > 0, "bucket caps are ", first_bucket_cap_bytes_,
                     " and ", bucket_cap_bytes_, " bytes; expected positive sizes");
     if (!gpus_.empty() && procs_per_node_ > 0)
@@ -122,24 +125,6 @@ struct DistributedDataParallel {
 }  // namespace gpu_mode
 
 namespace detail {
-
-/// Counts DDP fit() calls in this process, so a spawned rank can find the call it was started for
-/// (it re-runs the program from the top, passing the earlier fit() calls).
-inline int next_distributed_fit_index() {
-  static std::atomic<int> count{0};
-  return ++count;
-}
-inline constexpr const char* kFitIndexVariable = "TRAINLOOP_FIT_INDEX";
-
-/// The histories earlier DDP fit() calls of this (launching) process returned, so the ranks of a
-/// later call can hand the same ones to the program when it passes those calls again.
-inline std::vector<History>& finished_distributed_fits() {
-  static std::vector<History> histories;
-  return histories;
-}
-inline std::filesystem::path earlier_history_path(const std::string& run_dir, int fit_index) {
-  return std::filesystem::path(run_dir) / ("history.fit" + std::to_string(fit_index) + ".txt");
-}
 
 /// The engine of gpu_mode::DistributedDataParallel (see distributed.hpp for the whole story).
 template <class Module>
@@ -164,6 +149,9 @@ class DistributedEngine {
   void all_reduce_sum(torch::Tensor& tensor) {
     if (group_) group_->all_reduce_sum(tensor);
   }
+  torch::Tensor all_gather(const torch::Tensor& tensor) {
+    return group_ ? group_->all_gather(tensor) : tensor.unsqueeze(0);
+  }
   bool any_rank(bool flag) {
     if (!group_) return flag;
     auto value = torch::full({1}, flag ? 1.0 : 0.0, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
@@ -174,22 +162,31 @@ class DistributedEngine {
     if (group_) group_->barrier();
   }
 
-  void prepare(torch::optim::Optimizer& optimizer) {
-    TRAINLOOP_CHECK(env_.has_value(), "the DDP engine was prepared outside a rank; expected fit() to launch ranks");
-    if (prepared_) return;
+  /// In a rank: threads, the model on this rank's device, the process group, and every rank
+  /// holding rank 0's parameters and buffers. Once; every entry point calls it, so evaluate()
+  /// before fit() is exact too. In the launching process: nothing (it evaluates locally).
+  void prepare() {
+    if (!env_ || group_) return;
     dist::apply_intra_op_threads(dist::intra_op_threads_for(env_->local_world_size));
     module_->to(device_);
-    if (env_->source == dist::RankEnvSource::Trainloop) {
-      // Start from the launching process's model and optimizer, not from this re-run's fresh ones
-      // (loaded onto the module's device, so optimizer state lands next to its parameters).
-      dist::load_training_state(*module_, optimizer, env_->run_dir, "initial");
-    }
     dist::ProcessGroupOptions options;
     options.backend = mode_.backend();
     options.device = device_;
     options.timeout = mode_.timeout();
     group_ = &dist::session_process_group(options);
-    dist::check_same_parameter_shapes(*module_, *group_);
+    dist::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
+  }
+
+  /// Starts from the launching process's model and optimizer (a rank we spawned), makes every
+  /// rank hold rank 0's state, and attaches the gradient hooks for this fit only.
+  void begin_fit(torch::optim::Optimizer& optimizer) {
+    TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
+    prepare();
+    if (env_->source == dist::RankEnvSource::Trainloop) {
+      // Not this re-run's fresh model and optimizer: the caller's, as saved for this fit() call
+      // (loaded onto the module's device, so optimizer state lands next to its parameters).
+      dist::load_training_state(*module_, optimizer, env_->run_dir, "initial");
+    }
     dist::broadcast_module_state(*module_, *group_);
     dist::GradientReducerOptions reducer_options;
     reducer_options.first_bucket_cap_bytes = mode_.first_bucket_cap_bytes();
@@ -197,7 +194,12 @@ class DistributedEngine {
     reducer_options.overlap = mode_.overlap();
     reducer_.emplace(*module_, *group_, reducer_options);
     buffers_ = module_->buffers();
-    prepared_ = true;
+  }
+  /// Removes this fit's gradient hooks: a later fit (of this or another TrainLoop over the same
+  /// model) must not find them still reducing.
+  void end_fit() noexcept {
+    reducer_.reset();
+    buffers_.clear();
   }
 
   template <class Batch, class Forward, class Sink>
@@ -218,37 +220,21 @@ class DistributedEngine {
     sink(forward(*module_, batch_to_device(batch, device_)));
   }
 
-  /// @brief The number of gradient all-reduces launched so far (for tests and benchmarks).
+  /// @brief The number of gradient all-reduces launched by the current fit (for tests and benchmarks).
   int64_t allreduce_count() const { return reducer_ ? reducer_->allreduce_count() : 0; }
 
   // ---- fit orchestration (called by TrainLoop::fit around the loop) ---------------------
 
-  /// Runs `train()` the way this process's role requires: launch ranks, join as a rank, or (in a
-  /// rank we spawned) train for the matching fit() call and end the process.
+  /// Runs `train()` the way this process's role requires: launch ranks (distributed/spawn_relay.hpp),
+  /// join as a rank (torchrun, Slurm, Open MPI), or, in a rank we spawned, pass or train the
+  /// matching fit() call.
   template <class Train>
   History run_fit(torch::optim::Optimizer& optimizer, Train&& train) {
-    const int fit_index = next_distributed_fit_index();
-    if (!env_) return launch(optimizer, fit_index);
+    const int fit_index = dist::detail::next_fit_index();
+    if (!env_) return dist::launch_spawned_fit(*module_, optimizer, launch_options(), fit_index);
     if (env_->source != dist::RankEnvSource::Trainloop) return train();
-    const auto wanted = dist::detail::env_int(kFitIndexVariable, 1).value_or(1);
-    if (fit_index < wanted) {
-      // An earlier fit() of the program, run by an earlier launch: return what it returned then.
-      // (The model is not trained here; the fit() this rank was started for loads the launching
-      // process's model and optimizer before it trains.)
-      return read_history(earlier_history_path(env_->run_dir, fit_index));
-    }
-    const int status = dist::run_reporting_failure(*env_, [&] {
-      History history = train();
-      if (env_->local_rank == 0) {
-        dist::save_training_state(*module_, optimizer, env_->run_dir, "trained");
-        write_history(history, std::filesystem::path(env_->run_dir) / "history.txt");
-      }
-      barrier();  // no rank leaves while another still needs it in a collective
-    });
-    std::cout.flush();
-    std::cerr.flush();
-    std::fflush(nullptr);
-    ::_exit(status);  // the rest of the program runs in the launching process only
+    return dist::run_spawned_rank_fit(*env_, fit_index, *module_, optimizer, std::forward<Train>(train),
+                                      [this] { barrier(); });
   }
 
  private:
@@ -261,25 +247,14 @@ class DistributedEngine {
     return device;
   }
 
-  History launch(torch::optim::Optimizer& optimizer, int fit_index) {
-    const int nprocs = mode_.resolved_procs_per_node();
-    dist::LaunchOptions options(nprocs);
+  dist::LaunchOptions launch_options() const {
+    dist::LaunchOptions options(mode_.resolved_procs_per_node());
     options.nnodes(mode_.nnodes())
         .node_rank(mode_.node_rank())
         .master_addr(mode_.master_addr())
         .master_port(mode_.master_port())
-        .grace_period(mode_.kill_grace_period())
-        .env({{kFitIndexVariable, std::to_string(fit_index)}});
-    dist::Launcher launcher(options);
-    dist::save_training_state(*module_, optimizer, launcher.run_dir(), "initial");
-    const auto& earlier = finished_distributed_fits();
-    for (size_t i = 0; i < earlier.size(); ++i)
-      write_history(earlier[i], earlier_history_path(launcher.run_dir(), static_cast<int>(i) + 1));
-    launcher.launch();
-    dist::load_training_state(*module_, optimizer, launcher.run_dir(), "trained");
-    History history = read_history(std::filesystem::path(launcher.run_dir()) / "history.txt");
-    finished_distributed_fits().push_back(history);
-    return history;
+        .grace_period(mode_.kill_grace_period());
+    return options;
   }
 
   gpu_mode::DistributedDataParallel mode_;
@@ -288,8 +263,7 @@ class DistributedEngine {
   torch::Device device_ = torch::Device(torch::kCPU);
   dist::ProcessGroup* group_ = nullptr;
   std::optional<dist::GradientReducer> reducer_;
-  std::vector<torch::Tensor> buffers_;  // listed once in prepare(), broadcast after every step
-  bool prepared_ = false;
+  std::vector<torch::Tensor> buffers_;  // listed once per fit, broadcast after every step
 };
 
 }  // namespace detail

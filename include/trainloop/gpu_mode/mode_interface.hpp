@@ -15,12 +15,22 @@
 /// | device()                                 | where batches and metric sums live on this process               |
 /// | data_shard()                             | which part of every dataset this process reads (sampler choice)  |
 /// | all_reduce_sum(tensor)                   | in-place sum across ranks                                        |
+/// | all_gather(tensor)                       | every rank's tensor (same shape), stacked: [world_size, ...]     |
 /// | any_rank(flag)                           | true on every rank if it is true on any (stop agreement)         |
 /// | barrier()                                | waits for every rank                                             |
-/// | prepare(optimizer)                       | places the model, builds replicas or the process group           |
+/// | prepare()                                | places the model, builds replicas or joins the process group;   |
+/// |                                          | idempotent, called before every fit(), evaluate(), predict()     |
+/// | begin_fit(optimizer), end_fit()          | what lives only during one fit() (DDP's gradient hooks); end_fit |
+/// |                                          | always runs, also when training throws                           |
 /// | train_micro_batch(batch, fwd, scale, sync, sink) | forward + backward, gradients reduced as the mode does   |
 /// | before_optimizer_step(), after_optimizer_step()  | finish gradient reduction / refresh replicas              |
 /// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
+///
+/// Why prepare() is separate from fit: evaluate() and predict() before the first fit() must see
+/// the model where training would put it (on the GPU, in the process group, replicated), or they
+/// compute something else (each rank's own shard, unreduced; a CPU model fed CUDA batches). Why
+/// begin_fit()/end_fit(): a second TrainLoop over the same model must not find the first loop's
+/// gradient hooks still attached.
 ///
 /// `fwd(module, batch)` returns a StepOutput; the engine calls `sink(const StepOutput&)` once per
 /// shard of the batch, on the loop's thread, so metric sums need no locks.
@@ -50,9 +60,12 @@ concept ModeEngine = requires(Engine& engine, const Engine& const_engine, torch:
   { const_engine.device() } -> std::convertible_to<torch::Device>;
   { const_engine.data_shard() } -> std::convertible_to<DataShard>;
   engine.all_reduce_sum(tensor);
+  { engine.all_gather(tensor) } -> std::convertible_to<torch::Tensor>;
   { engine.any_rank(flag) } -> std::convertible_to<bool>;
   engine.barrier();
-  engine.prepare(optimizer);
+  engine.prepare();
+  engine.begin_fit(optimizer);
+  engine.end_fit();
   engine.before_optimizer_step();
   engine.after_optimizer_step();
 };

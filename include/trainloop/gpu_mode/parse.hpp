@@ -62,7 +62,7 @@ inline Any parse(std::string_view name) {
   if (name == Single::name) return Single();
   if (name == DataParallel::name) return DataParallel();
   if (name == DistributedDataParallel::name) return DistributedDataParallel();
-  throw Error(detail::concat("trainloop: unknown gpu mode '", name, "'; expected one of: ", Single::name, ", ",
+  throw ConfigurationError(detail::concat("trainloop: unknown gpu mode '", name, "'; expected one of: ", Single::name, ", ",
                              DataParallel::name, ", ", DistributedDataParallel::name));
 }
 

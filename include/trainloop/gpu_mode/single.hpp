@@ -64,10 +64,13 @@ class SingleEngine {
   torch::Device device() const { return device_; }
   DataShard data_shard() const { return {}; }
   void all_reduce_sum(torch::Tensor&) {}
+  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
   bool any_rank(bool flag) { return flag; }
   void barrier() {}
 
-  void prepare(torch::optim::Optimizer&) { module_->to(device_); }
+  void prepare() { module_->to(device_); }
+  void begin_fit(torch::optim::Optimizer&) { prepare(); }
+  void end_fit() noexcept {}
 
   template <class Batch, class Forward, class Sink>
   void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool /*synchronize*/,

@@ -5,7 +5,7 @@
 ///
 /// Why sums and not values: a mean of per-batch (or per-rank) means is wrong whenever batches or
 /// shards differ in size. Sums add exactly across batches, threads and ranks; the value is
-/// computed once, from the reduced totals (DESIGN §4.6).
+/// computed once, from the reduced totals.
 
 #include <torch/torch.h>
 

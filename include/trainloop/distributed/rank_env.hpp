@@ -14,7 +14,7 @@
 ///
 /// The Trainloop source also carries TRAINLOOP_RUN_DIR (the launcher's run directory, where a
 /// failing rank leaves its error text) and TRAINLOOP_LAUNCHER_PID (the pid the rank expects as
-/// its parent; see die_with_parent() in launcher.hpp). Torchrun's
+/// its parent; see die_with_parent() in spawned_rank.hpp). Torchrun's
 /// TORCHELASTIC_USE_AGENT_STORE=True means the elastic agent already hosts the TCPStore, so
 /// every rank, rank 0 included, must connect to it as a client. Slurm is recognised only inside
 /// a job step (SLURM_STEP_ID, set by srun): a bare salloc or sbatch shell also exports

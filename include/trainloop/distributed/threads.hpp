@@ -3,14 +3,14 @@
 /// @brief Dividing a node's cores between the ranks (or replicas) that run on it.
 ///
 /// N processes on one box that each start a full OpenMP/BLAS pool run N× more threads than
-/// cores; oversubscription measured 2× slower here (DESIGN §4.8). So each of N ranks gets
+/// cores; oversubscription measured 2× slower here. So each of N ranks gets
 /// cores / N intra-op threads, unless the user chose OMP_NUM_THREADS, which always wins.
 ///
 /// The Launcher puts the divided count into each child's OMP_NUM_THREADS (so OpenMP and
 /// OpenBLAS pools start at the right size); a rank then calls
 /// `apply_intra_op_threads(intra_op_threads_for(env.local_world_size))`, which reads it back.
 
-#include <trainloop/dist/rank_env.hpp>
+#include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/detail/blas_threads.hpp>
 #include <trainloop/error.hpp>
 

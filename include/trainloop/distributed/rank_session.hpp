@@ -7,8 +7,8 @@
 /// Slurm or Open MPI), so `rank0_first` works before any TrainLoop exists, and the DDP engine
 /// reuses the same group instead of opening a second store on the same port.
 
-#include <trainloop/dist/process_group.hpp>
-#include <trainloop/dist/rank_env.hpp>
+#include <trainloop/distributed/process_group.hpp>
+#include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/error.hpp>
 
 #include <mutex>

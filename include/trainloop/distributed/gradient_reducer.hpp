@@ -2,7 +2,8 @@
 /// @file
 /// @brief trainloop::dist::GradientReducer: DDP's gradient averaging, overlapped with backward.
 ///
-/// What torch's c10d::Reducer does, written on the public autograd API (DESIGN §4.1):
+/// What torch's c10d::Reducer does, written on the public autograd API (the Reducer's header does
+/// not compile against Debian's libtorch, and its constructor changed three times in 2.x):
 ///
 /// - Parameters are packed into flat buckets in *reverse* registration order (gradients of the
 ///   last layers arrive first in backward), one bucket per dtype/device at a time; the first
@@ -24,7 +25,7 @@
 /// backward); all shared state is guarded by one mutex.
 
 #include <trainloop/detail/torch_compat.hpp>
-#include <trainloop/dist/process_group.hpp>
+#include <trainloop/distributed/process_group.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>

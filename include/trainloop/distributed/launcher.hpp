@@ -1,16 +1,16 @@
 #pragma once
 /// @file
 /// @brief Starting the local ranks of a DDP job by re-executing this program, watching them,
-/// and stopping all of them when one fails (DESIGN §4.2).
+/// and stopping all of them when one fails.
 ///
 /// Parent side: `Launcher(LaunchOptions(nprocs)).launch()` posix_spawns /proc/self/exe with
 /// this process's own argv (read from /proc/self/cmdline, so main's argv is not needed) and
 /// environment, plus the TRAINLOOP_* variables listed in rank_env.hpp and OMP_NUM_THREADS
 /// (threads.hpp). It returns when every rank exited 0; otherwise it stops the others and
-/// throws trainloop::Error naming the failed rank, how it ended and the tail of its error text.
+/// throws trainloop::RankFailedError leading with the failed rank's own error text.
 ///
-/// The child side (die_with_parent, report_rank_failure, run_reporting_failure) is in
-/// spawned_rank.hpp.
+/// The child side (dying with the launcher, reporting a failure or completion) is in
+/// spawned_rank.hpp; the files between the two in failure_report.hpp.
 ///
 /// Process lifetime rules, and why:
 /// - Children stay in the launcher's process group. A terminal's Ctrl-C (SIGINT), Ctrl-\ and
@@ -19,22 +19,27 @@
 ///   A separate group would make those signals miss the ranks. The launcher itself never
 ///   signals the group (that would hit itself and its caller's other children): it signals
 ///   each child by pid, which it knows.
-/// - Each child asks for PR_SET_PDEATHSIG(SIGKILL) in die_with_parent(), so a launcher killed
-///   by SIGKILL (no chance to clean up) takes its ranks with it. The kernel fires it when the
-///   *thread* that spawned the child ends; launch() blocks that thread until every child is
-///   reaped, so this only fires when the launching process dies.
+/// - Each child asks for PR_SET_PDEATHSIG(SIGKILL) before its main() (spawned_rank.hpp), so a
+///   launcher killed by SIGKILL (no chance to clean up) takes its ranks with it. The kernel fires
+///   it when the *thread* that spawned the child ends; launch() blocks that thread until every
+///   child is reaped, so this only fires when the launching process dies. Its run directory is
+///   then removed by the next launcher (run_directory.hpp).
 /// - While launch() runs, SIGINT, SIGTERM and SIGHUP sent to the launching process (unless
 ///   that process ignores them) stop every rank (SIGTERM, grace period, SIGKILL) and are then
 ///   re-raised with the caller's own disposition restored: the default kills the process
-///   with that signal as usual; if a handler returns instead, launch() throws.
+///   with that signal as usual; if a handler returns instead, launch() throws. SIGCHLD is set
+///   to its default meanwhile if the program ignored it (posix_process.hpp).
 
-#include <trainloop/dist/free_port.hpp>
-#include <trainloop/dist/rank_env.hpp>
-#include <trainloop/dist/spawned_rank.hpp>
-#include <trainloop/dist/threads.hpp>
+#include <trainloop/distributed/failure_message.hpp>
+#include <trainloop/distributed/failure_report.hpp>
+#include <trainloop/distributed/free_port.hpp>
+#include <trainloop/distributed/launch_options.hpp>
+#include <trainloop/distributed/posix_process.hpp>
+#include <trainloop/distributed/rank_env.hpp>
+#include <trainloop/distributed/run_directory.hpp>
+#include <trainloop/distributed/spawned_rank.hpp>
+#include <trainloop/distributed/threads.hpp>
 #include <trainloop/error.hpp>
-
-#include <torch/arg.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -44,12 +49,8 @@
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
-#include <fstream>
-#include <iomanip>
-#include <iterator>
-#include <map>
+#include <optional>
 #include <spawn.h>
-#include <sstream>
 #include <string>
 #include <sys/wait.h>
 #include <thread>
@@ -60,147 +61,6 @@
 extern char** environ;
 
 namespace trainloop::dist {
-
-/// Extra environment for the children: name → value, overriding inherited values.
-using EnvVars = std::map<std::string, std::string>;
-
-/// What to start and how to watch it. Only `nprocs` is required.
-struct LaunchOptions {
-  /// @param nprocs number of ranks to start on this node
-  explicit LaunchOptions(int nprocs) : nprocs_(nprocs) {}
-  /// Number of ranks started on this node (local ranks 0..nprocs-1).
-  TORCH_ARG(int, nprocs);
-  /// Number of nodes; world size = nnodes * nprocs.
-  TORCH_ARG(int, nnodes) = 1;
-  /// This node's index; global rank = node_rank * nprocs + local rank.
-  TORCH_ARG(int, node_rank) = 0;
-  /// Host of rank 0's TCPStore, as the ranks should reach it.
-  TORCH_ARG(std::string, master_addr) = "127.0.0.1";
-  /// Port of rank 0's TCPStore; 0 picks a free one (single node only).
-  TORCH_ARG(int, master_port) = 0;
-  /// On node 0, fail early with a clear message when master_port is already taken.
-  TORCH_ARG(bool, check_port) = true;
-  /// How long stopped ranks get between SIGTERM and SIGKILL.
-  TORCH_ARG(std::chrono::milliseconds, grace_period) = std::chrono::seconds(3);
-  /// How often the launcher looks at its children.
-  TORCH_ARG(std::chrono::milliseconds, poll_interval) = std::chrono::milliseconds(10);
-  /// Keep the run directory after the Launcher is destroyed (for debugging).
-  TORCH_ARG(bool, keep_run_dir) = false;
-  /// Send each rank's stdout and stderr to `<run_dir>/rank<N>.log` instead of the terminal.
-  TORCH_ARG(bool, log_to_files) = false;
-  /// Extra variables for every child (they override inherited ones, not the TRAINLOOP_* ones).
-  TORCH_ARG(EnvVars, env) = {};
-  /// Program to run; the default re-executes this very binary.
-  TORCH_ARG(std::string, executable) = "/proc/self/exe";
-  /// Arguments including argv[0]; empty means this process's own, from /proc/self/cmdline.
-  TORCH_ARG(std::vector<std::string>, argv) = {};
-};
-
-/// One started rank and, once it ended, how.
-struct RankProcess {
-  int rank = 0;        ///< global rank
-  int local_rank = 0;  ///< rank on this node
-  pid_t pid = -1;      ///< process id (stays set after the process was reaped)
-  bool running = false;                 ///< spawned and not yet reaped
-  bool exited = false;                  ///< reaped; exit_code or signal says how it ended
-  int exit_code = -1;                   ///< exit status when it exited normally, else -1
-  int signal = 0;                       ///< terminating signal when killed, else 0
-  bool stopped_by_launcher = false;     ///< it was still running when the launcher stopped all
-  double wall_seconds = 0.0;            ///< spawn to reap
-  std::chrono::steady_clock::time_point started{};  ///< when it was spawned
-
-  /// True when the rank exited with status 0.
-  bool succeeded() const { return exited && signal == 0 && exit_code == 0; }
-  /// "exit code 1", "killed by SIGKILL (signal 9)", or "still running".
-  std::string describe() const;
-};
-
-namespace detail {
-
-/// "SIGKILL" for 9, and so on; "signal N" for the rare ones.
-inline std::string signal_name(int signal) {
-  static const std::pair<int, const char*> names[] = {
-      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
-      {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
-      {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
-      {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGXCPU, "SIGXCPU"},
-      {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"}};
-  for (const auto& [number, name] : names) {
-    if (number == signal) return name;
-  }
-  return "signal " + std::to_string(signal);
-}
-
-/// This process's argv as the kernel recorded it (NUL-terminated strings; empty ones kept).
-inline std::vector<std::string> read_own_cmdline() {
-  std::ifstream in("/proc/self/cmdline", std::ios::binary);
-  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::string> argv;
-  std::size_t begin = 0;
-  for (std::size_t end; (end = all.find('\0', begin)) != std::string::npos; begin = end + 1) {
-    argv.push_back(all.substr(begin, end - begin));
-  }
-  TRAINLOOP_CHECK(!argv.empty(), "/proc/self/cmdline is empty; expected this process's argv");
-  return argv;
-}
-
-/// The last `max_chars` characters of a file (from a line start when possible); "" if absent.
-inline std::string read_tail(const std::filesystem::path& path, std::size_t max_chars = 4000) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return {};
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (text.size() > max_chars) {
-    text = text.substr(text.size() - max_chars);
-    if (auto newline = text.find('\n'); newline != std::string::npos) text = text.substr(newline + 1);
-    text = "..." + text;
-  }
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  return text;
-}
-
-/// Set from a signal handler while launch() runs; the watch loop polls it.
-inline volatile std::sig_atomic_t launcher_interrupt = 0;
-inline void record_launcher_interrupt(int signal) { launcher_interrupt = signal; }
-
-/// Installs record_launcher_interrupt for SIGINT, SIGTERM and SIGHUP (except those the process
-/// ignores, e.g. under nohup) and puts the previous dispositions back on restore().
-class InterruptGuard {
- public:
-  InterruptGuard() {
-    launcher_interrupt = 0;
-    for (std::size_t i = 0; i < std::size(kSignals); ++i) {
-      struct sigaction ours {};
-      ours.sa_handler = record_launcher_interrupt;
-      sigemptyset(&ours.sa_mask);
-      ::sigaction(kSignals[i], nullptr, &previous_[i]);
-      installed_[i] = previous_[i].sa_handler != SIG_IGN;
-      if (installed_[i]) ::sigaction(kSignals[i], &ours, nullptr);
-    }
-  }
-  InterruptGuard(const InterruptGuard&) = delete;
-  InterruptGuard& operator=(const InterruptGuard&) = delete;
-  ~InterruptGuard() { restore(); }
-  void restore() {
-    for (std::size_t i = 0; i < std::size(kSignals); ++i) {
-      if (installed_[i]) ::sigaction(kSignals[i], &previous_[i], nullptr);
-      installed_[i] = false;
-    }
-  }
-
- private:
-  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
-  struct sigaction previous_[3] {};
-  bool installed_[3] = {false, false, false};
-};
-
-}  // namespace detail
-
-inline std::string RankProcess::describe() const {
-  if (!exited) return "still running";
-  if (signal != 0) return "killed by " + detail::signal_name(signal) + " (signal " + std::to_string(signal) + ")";
-  if (exit_code < 0) return "ended with an unknown status (it was reaped by someone else)";
-  return "exit code " + std::to_string(exit_code);
-}
 
 /// Starts `nprocs` local ranks, watches them, stops them all when one fails.
 /// The run directory is created by the constructor (so the caller can put files there before
@@ -218,9 +78,10 @@ class Launcher {
 
   /// Spawns the ranks and waits for them. Can be called once.
   /// @return every rank's record, all with exit code 0.
-  /// @throws trainloop::Error when a rank exits non-zero or is killed by a signal, after every
-  ///         other rank was stopped and reaped; the message names the rank, how it ended and
-  ///         the tail of its `<run_dir>/rank<N>.error` (or of its log with log_to_files).
+  /// @throws trainloop::RankFailedError when a rank exits non-zero, is killed by a signal or
+  ///         (require_completion) exits 0 before its work was done, after every other rank was
+  ///         stopped and reaped. The message leads with the rank that failed first and its own
+  ///         error text, and names the file with its complete error (backtrace included).
   const std::vector<RankProcess>& launch();
 
   /// The run directory shared with the ranks (TRAINLOOP_RUN_DIR).
@@ -238,8 +99,9 @@ class Launcher {
   bool reap(RankProcess& process, bool block);
   void stop_all();
   void remove_run_dir() noexcept;
-  void order_by_first_failure(std::vector<const RankProcess*>& failed) const;
-  [[noreturn]] void throw_failure(const std::vector<const RankProcess*>& failed) const;
+
+  /// How long a failure that only reports a lost peer waits for the rank that caused it.
+  static constexpr std::chrono::milliseconds kCauseGracePeriod{1000};
 
   LaunchOptions options_;
   std::string run_dir_;
@@ -269,11 +131,10 @@ inline Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) 
     master_port_ = o.master_port();
     if (o.check_port() && o.node_rank() == 0) check_port_available(o.master_addr(), master_port_);
   }
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/trainloop-run-XXXXXX";
-  TRAINLOOP_CHECK(::mkdtemp(pattern.data()) != nullptr, "cannot create a run directory from ",
-                  pattern, ": ", std::strerror(errno), "; expected a writable TMPDIR or /tmp");
-  run_dir_ = pattern;
+  const std::filesystem::path parent =
+      o.run_dir_parent().empty() ? temporary_root() : std::filesystem::path(o.run_dir_parent());
+  remove_stale_run_directories(parent);  // left by launchers that were killed (SIGKILL, OOM killer)
+  run_dir_ = create_owned_directory(parent, "trainloop-run").string();
   created_run_dir_ = true;
 }
 
@@ -372,6 +233,10 @@ inline bool Launcher::reap(RankProcess& process, bool block) {
   if (result < 0) return true;  // ECHILD: reaped elsewhere (SIGCHLD ignored?); status unknown
   if (WIFEXITED(status)) process.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) process.signal = WTERMSIG(status);
+  if (options_.require_completion() && process.signal == 0 && process.exit_code == 0 &&
+      !std::filesystem::exists(rank_done_path(run_dir_, process.rank))) {
+    process.ended_early = true;
+  }
   return true;
 }
 
@@ -404,6 +269,7 @@ inline const std::vector<RankProcess>& Launcher::launch() {
   const std::vector<std::string> argv =
       options_.argv().empty() ? detail::read_own_cmdline() : options_.argv();
   detail::InterruptGuard interrupts;
+  detail::ReapOwnChildrenGuard reap_own_children;
   for (int local_rank = 0; local_rank < options_.nprocs(); ++local_rank) {
     RankProcess process;
     process.local_rank = local_rank;
@@ -417,6 +283,7 @@ inline const std::vector<RankProcess>& Launcher::launch() {
       throw;
     }
   }
+  std::optional<std::chrono::steady_clock::time_point> first_consequence_seen;
   while (true) {
     std::vector<const RankProcess*> failed;
     bool any_running = false;
@@ -431,62 +298,30 @@ inline const std::vector<RankProcess>& Launcher::launch() {
       remove_run_dir();  // the default disposition ends the process: no destructor will run
       interrupts.restore();
       ::raise(signal);  // the caller's own disposition: by default this ends the process
-      TRAINLOOP_CHECK(false, "launch interrupted by ", detail::signal_name(signal), "; all ",
-                      ranks_.size(), " ranks were stopped");
+      throw Error(::trainloop::detail::concat("trainloop: launch interrupted by ", detail::signal_name(signal),
+                                              "; all ", ranks_.size(), " ranks were stopped"));
+    }
+    // When every failure seen so far only reports a lost peer, the rank that caused it is most
+    // likely dying right now (its peers noticed within milliseconds): give it a moment to be
+    // reaped, so that it, not its peer, is named.
+    const bool only_consequences = std::all_of(failed.begin(), failed.end(), [&](const RankProcess* process) {
+      return read_rank_error(run_dir_, process->rank).consequence;
+    });
+    if (!failed.empty() && only_consequences && any_running) {
+      if (!first_consequence_seen) first_consequence_seen = std::chrono::steady_clock::now();
+      if (std::chrono::steady_clock::now() - *first_consequence_seen < kCauseGracePeriod) {
+        std::this_thread::sleep_for(options_.poll_interval());
+        continue;
+      }
     }
     if (!failed.empty()) {
       stop_all();  // ranks_ is not resized from here on, so `failed` stays valid
-      order_by_first_failure(failed);
-      throw_failure(failed);
+      order_by_first_failure(run_dir_, failed);
+      throw rank_failure_error(run_dir_, options_, ranks_, failed);
     }
     if (!any_running) return ranks_;
     std::this_thread::sleep_for(options_.poll_interval());
   }
-}
-
-/// Several ranks seen failed in one poll: the one that wrote its error file first is most
-/// likely the cause (the others failing in the collective it left), then ranks without a file
-/// (crashes), lowest rank first.
-inline void Launcher::order_by_first_failure(std::vector<const RankProcess*>& failed) const {
-  auto written = [&](const RankProcess* process) {
-    std::error_code missing;
-    auto time = std::filesystem::last_write_time(rank_error_path(run_dir_, process->rank), missing);
-    return std::make_pair(missing ? 1 : 0, missing ? std::filesystem::file_time_type() : time);
-  };
-  std::stable_sort(failed.begin(), failed.end(), [&](const RankProcess* a, const RankProcess* b) {
-    return written(a) < written(b);
-  });
-}
-
-inline void Launcher::throw_failure(const std::vector<const RankProcess*>& failed) const {
-  const RankProcess& first = *failed.front();
-  std::ostringstream message;
-  message << "trainloop: rank " << first.rank << " (local rank " << first.local_rank << " on node "
-          << options_.node_rank() << ", pid " << first.pid << ") failed: " << first.describe()
-          << " after " << std::fixed << std::setprecision(2) << first.wall_seconds << " s";
-  std::string error_text = detail::read_tail(rank_error_path(run_dir_, first.rank));
-  if (!error_text.empty()) {
-    message << "; its error:\n" << error_text;
-  } else if (options_.log_to_files()) {
-    const std::string log = run_dir_ + "/rank" + std::to_string(first.rank) + ".log";
-    const std::string output = detail::read_tail(log, 2000);
-    message << "; it left no error message; "
-            << (output.empty() ? "its output (" + log + ") is empty"
-                               : "the end of its output (" + log + "):\n" + output);
-  } else {
-    message << "; it left no error message (a crash or a signal, or an exception not reported "
-               "with report_rank_failure)";
-  }
-  for (std::size_t i = 1; i < failed.size(); ++i) {
-    message << "\nalso failed: rank " << failed[i]->rank << " (" << failed[i]->describe() << ")";
-  }
-  int stopped = 0;
-  for (const auto& process : ranks_) stopped += process.stopped_by_launcher ? 1 : 0;
-  if (stopped > 0) {
-    message << "\nthe other " << stopped << " running rank(s) were stopped (SIGTERM, then "
-            << "SIGKILL after " << options_.grace_period().count() << " ms)";
-  }
-  throw Error(message.str());
 }
 
 }  // namespace trainloop::dist

@@ -108,24 +108,4 @@ inline void check_port_available(const std::string& host, int port) {
                   "; expected the master address to be an address of this machine");
 }
 
-/// @brief True when something accepts TCP connections at host:port right now. Used to wait for
-/// rank 0's store quietly: a TCPStore client that finds nobody listening logs an error line
-/// per attempt, which would bury the user's output while rank 0 is still loading its data.
-inline bool accepts_connections(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return false;
-  bool connected = false;
-  for (addrinfo* candidate = found; candidate != nullptr && !connected; candidate = candidate->ai_next) {
-    const int fd = ::socket(candidate->ai_family, candidate->ai_socktype, candidate->ai_protocol);
-    if (fd < 0) continue;
-    connected = ::connect(fd, candidate->ai_addr, candidate->ai_addrlen) == 0;
-    ::close(fd);
-  }
-  ::freeaddrinfo(found);
-  return connected;
-}
-
 }  // namespace trainloop::dist

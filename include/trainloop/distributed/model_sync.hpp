@@ -7,7 +7,7 @@
 /// (first a 3-number fingerprint; on mismatch a table sized by the agreed maximum entry count),
 /// so ranks with different models get the same clear error instead of a hang.
 
-#include <trainloop/dist/process_group.hpp>
+#include <trainloop/distributed/process_group.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>

@@ -12,16 +12,12 @@
 /// from several threads of one rank must be serialised by the caller.
 
 #include <trainloop/detail/torch_compat.hpp>
-#include <trainloop/dist/free_port.hpp>
+#include <trainloop/distributed/backend_factory.hpp>
+#include <trainloop/distributed/rendezvous.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 #include <algorithm>
 #include <chrono>
@@ -37,40 +33,6 @@
 #include <vector>
 
 namespace trainloop::dist {
-
-/// Which communication library carries the collectives.
-enum class Backend {
-  Auto,  ///< NCCL when the group's device is CUDA, Gloo otherwise
-  Gloo,  ///< CPU tensors (tensors on other devices are staged through host memory)
-  Nccl   ///< CUDA tensors; only with a libtorch compiled with NCCL (USE_C10D_NCCL)
-};
-
-/// "auto", "gloo" or "nccl".
-inline const char* to_string(Backend backend) {
-  switch (backend) {
-    case Backend::Gloo: return "gloo";
-    case Backend::Nccl: return "nccl";
-    default: return "auto";
-  }
-}
-
-/// How to build a process group: who we are, where rank 0's store listens, which backend.
-/// An aggregate, so `ProcessGroupOptions{.rank = 1, .world_size = 2, .master_port = p}` works.
-struct ProcessGroupOptions {
-  int rank = 0;                            ///< this process's rank, in [0, world_size)
-  int world_size = 1;                      ///< number of ranks
-  std::string master_addr = "127.0.0.1";   ///< host of the TCPStore server
-  int master_port = 29500;                 ///< port of the TCPStore server, in [1, 65535]
-  /// Whether this rank hosts the TCPStore server. Unset: rank 0 does. Set false on every rank
-  /// when somebody else already hosts it (torchrun with TORCHELASTIC_USE_AGENT_STORE=True).
-  std::optional<bool> is_store_server;
-  Backend backend = Backend::Auto;         ///< resolved with `device` when Auto
-  torch::Device device = torch::kCPU;      ///< this rank's compute device (cuda:LOCAL_RANK for NCCL)
-  /// Limit for connecting to the store, the rendezvous, and each collective. Short in tests.
-  std::chrono::milliseconds timeout = std::chrono::minutes(30);
-  /// Key prefix in the store, so our keys never collide with those of an agent's store.
-  std::string store_prefix = "trainloop/default_pg";
-};
 
 /// Handle of an asynchronous collective; `ProcessGroup::wait(handle)` blocks until it is done.
 using WorkHandle = ::trainloop::detail::WorkHandle;
@@ -96,8 +58,7 @@ class ProcessGroup {
     group.timeout_ = options.timeout;
     group.backend_kind_ = resolve_backend(options);
     group.store_ = c10::make_intrusive<::c10d::PrefixStore>(options.store_prefix, connect_store(options));
-    group.backend_ = group.backend_kind_ == Backend::Nccl ? make_nccl(options, group.store_)
-                                                          : make_gloo(options, group.store_);
+    group.backend_ = make_backend(group.backend_kind_, options, group.store_);
     return group;
   }
 
@@ -191,7 +152,7 @@ class ProcessGroup {
     try {
       work->wait();
     } catch (const std::exception& error) {
-      throw Error(::trainloop::detail::concat(
+      throw CommunicationError(::trainloop::detail::concat(
           "trainloop: ", what, " failed on rank ", rank_, " of ", world_size_, " (", to_string(backend_kind_),
           ", timeout ", timeout_.count(), " ms; did another rank fail or call a different collective?): ",
           error.what()));
@@ -199,157 +160,6 @@ class ProcessGroup {
   }
 
  private:
-  static void validate(const ProcessGroupOptions& o) {
-    TRAINLOOP_CHECK(o.world_size >= 1, "world_size is ", o.world_size, "; expected >= 1");
-    TRAINLOOP_CHECK(o.rank >= 0 && o.rank < o.world_size, "rank is ", o.rank, "; expected 0 <= rank < world_size (",
-                    o.world_size, ")");
-    TRAINLOOP_CHECK(o.master_port >= 1 && o.master_port <= 65535, "master_port is ", o.master_port,
-                    "; expected 1..65535 (pick a free one with find_free_port())");
-    TRAINLOOP_CHECK(!o.master_addr.empty(), "master_addr is empty; expected the host of rank 0");
-    TRAINLOOP_CHECK(o.timeout.count() > 0, "timeout is ", o.timeout.count(), " ms; expected > 0");
-  }
-
-  static Backend resolve_backend(const ProcessGroupOptions& o) {
-    Backend backend = o.backend;
-    if (backend == Backend::Auto) backend = o.device.is_cuda() ? Backend::Nccl : Backend::Gloo;
-#ifndef USE_C10D_NCCL
-    TRAINLOOP_CHECK(backend != Backend::Nccl, "backend nccl requested (device ", o.device,
-                    ") but this libtorch was built without NCCL (USE_C10D_NCCL undefined); expected "
-                    "backend gloo with a CPU device, or a CUDA libtorch");
-#endif
-    TRAINLOOP_CHECK(backend != Backend::Nccl || o.device.is_cuda(), "backend nccl needs a CUDA device; got ",
-                    o.device, "; expected cuda:<local rank>, or backend gloo");
-    return backend;
-  }
-
-  static c10::intrusive_ptr<::c10d::Store> connect_store(const ProcessGroupOptions& o) {
-    const bool is_server = o.is_store_server.value_or(o.rank == 0);
-    ::c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<std::uint16_t>(o.master_port);
-    store_options.isServer = is_server;
-    store_options.timeout = o.timeout;
-    // numWorkers stays unset: the backend's rendezvous already waits for every rank, with
-    // the same timeout, and an unset count keeps clients of an agent's store from touching it.
-    //
-    // Clients retry until the deadline in attempts of exactly 1 s. Why: libtorch 1.13 truncates
-    // the store's connect timeout to whole seconds (a 999 ms attempt gives up before connecting),
-    // and on a refused connection it either sleeps a 1 s back-off or, when less than that
-    // remains, gives up at once. So one attempt of 1 s = one connect; we pause briefly and retry,
-    // and a rank that starts a moment before rank 0's server still joins at once.
-    const auto deadline = std::chrono::steady_clock::now() + o.timeout;
-    while (true) {
-      store_options.timeout = is_server ? std::max(o.timeout, kConnectAttemptTimeout) : kConnectAttemptTimeout;
-      if (!is_server && !accepts_connections(o.master_addr, o.master_port) &&
-          std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(kConnectRetryPause);  // rank 0 is not listening yet: wait quietly
-        continue;
-      }
-      try {
-        auto store = c10::make_intrusive<::c10d::TCPStore>(o.master_addr, store_options);
-        store->setTimeout(o.timeout);  // later gets and waits get the full timeout
-        return store;
-      } catch (const std::exception& error) {
-        if (is_server) throw server_error(o, error);
-        if (std::chrono::steady_clock::now() >= deadline) throw client_error(o, error);
-      }
-      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
-          kConnectRetryPause, deadline - std::chrono::steady_clock::now()));
-    }
-  }
-
-  static constexpr std::chrono::milliseconds kConnectRetryPause{100};
-  static constexpr std::chrono::milliseconds kConnectAttemptTimeout{1000};
-
-  static Error server_error(const ProcessGroupOptions& o, const std::exception& error) {
-    const std::string what = error.what();
-    const bool in_use = what.find("in use") != std::string::npos;
-    return Error(::trainloop::detail::concat(
-        "trainloop: rank ", o.rank, " cannot start the rendezvous store (TCPStore server) on port ", o.master_port,
-        in_use ? ": the port is already in use (another job, or a leftover process?); pass another master port, "
-                 "or 0 to the launcher to pick a free one"
-               : "",
-        ". Details: ", what));
-  }
-
-  static Error client_error(const ProcessGroupOptions& o, const std::exception& error) {
-    return Error(::trainloop::detail::concat(
-        "trainloop: rank ", o.rank, " could not connect to the rendezvous store at ", o.master_addr, ":",
-        o.master_port, " within the timeout of ", o.timeout.count(),
-        " ms; expected rank 0 (or the agent) to listen there: check MASTER_ADDR/MASTER_PORT and that rank 0 "
-        "started. Details: ",
-        error.what()));
-  }
-
-  /// Gloo refuses to start without a transport device ("No device(s) specified"). Like
-  /// torch.distributed: GLOO_SOCKET_IFNAME (comma-separated interfaces) wins; otherwise bind to
-  /// the interface of master_addr when it is one of ours (one machine, or rank 0's machine),
-  /// else to the address this host's name resolves to (createDefaultDevice, loopback fallback).
-  static std::vector<std::shared_ptr<::gloo::transport::Device>> make_gloo_devices(const ProcessGroupOptions& o) {
-    using Gloo = ::c10d::ProcessGroupGloo;
-    std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
-    if (const char* interfaces = std::getenv("GLOO_SOCKET_IFNAME"); interfaces != nullptr && *interfaces != '\0') {
-      std::stringstream list(interfaces);
-      for (std::string name; std::getline(list, name, ',');) {
-        try {
-          devices.push_back(Gloo::createDeviceForInterface(name));
-        } catch (const std::exception& error) {
-          throw Error(::trainloop::detail::concat("trainloop: GLOO_SOCKET_IFNAME names interface '", name,
-                                                  "' that Gloo cannot use; expected an interface of this host "
-                                                  "(see `ip addr`). Details: ", error.what()));
-        }
-      }
-      return devices;
-    }
-    try {
-      devices.push_back(Gloo::createDeviceForHostname(o.master_addr));
-      return devices;
-    } catch (const std::exception&) {
-      // master_addr is not an address of this machine: fall through to the host's own address.
-    }
-    try {
-      devices.push_back(Gloo::createDefaultDevice());
-    } catch (const std::exception& error) {
-      throw Error(::trainloop::detail::concat(
-          "trainloop: Gloo found no network device for rank ", o.rank, " (neither master_addr '", o.master_addr,
-          "' nor this host's name resolve to a local address); set GLOO_SOCKET_IFNAME to the interface "
-          "to use. Details: ", error.what()));
-    }
-    return devices;
-  }
-
-  static c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> make_gloo(
-      const ProcessGroupOptions& o, const c10::intrusive_ptr<::c10d::Store>& store) {
-    auto options = ::c10d::ProcessGroupGloo::Options::create(o.timeout);
-    options->devices = make_gloo_devices(o);
-    try {
-      return c10::make_intrusive<::c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
-    } catch (const std::exception& error) {
-      throw rendezvous_error(o, "gloo", error);
-    }
-  }
-
-  static c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> make_nccl(
-      [[maybe_unused]] const ProcessGroupOptions& o, [[maybe_unused]] const c10::intrusive_ptr<::c10d::Store>& store) {
-#ifdef USE_C10D_NCCL
-    auto options = ::c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = o.timeout;
-    try {
-      return c10::make_intrusive<::c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
-    } catch (const std::exception& error) {
-      throw rendezvous_error(o, "nccl", error);
-    }
-#else
-    throw Error("trainloop: NCCL is not compiled into this libtorch");  // resolve_backend() said so already
-#endif
-  }
-
-  static Error rendezvous_error(const ProcessGroupOptions& o, const char* backend, const std::exception& error) {
-    return Error(::trainloop::detail::concat(
-        "trainloop: the ", backend, " rendezvous of rank ", o.rank, " with ", o.world_size, " ranks through ",
-        o.master_addr, ":", o.master_port, " failed (timeout ", o.timeout.count(),
-        " ms); expected every rank to start with the same world size and master. Details: ", error.what()));
-  }
-
   const c10::intrusive_ptr<::trainloop::detail::CollectiveBackend>& native_checked() const {
     TRAINLOOP_CHECK(backend_, "collective on an empty ProcessGroup; expected one made by ProcessGroup::create()");
     return backend_;

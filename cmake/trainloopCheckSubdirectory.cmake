@@ -1,0 +1,54 @@
+# Run by the ctest tests `cmake_subdirectory` and `cmake_fetchcontent` as
+# `cmake -D... -P trainloopCheckSubdirectory.cmake`: configures tests/cmake_subdirectory (a
+# consumer that takes trainloop's sources with add_subdirectory() or FetchContent and never calls
+# find_package(Torch) itself), builds it and runs it. Fails at the first step that does not work.
+#
+# Inputs (-D):
+#   HOW                   add_subdirectory or FetchContent
+#   TRAINLOOP_SOURCE_DIR  trainloop's source tree
+#   CONSUMER_SOURCE_DIR   tests/cmake_subdirectory
+#   WORK_DIR              scratch build directory (emptied first)
+#   PREFIX_PATH           where libtorch and range-v3 are found, '|'-separated (may be empty)
+#   GENERATOR, MAKE_PROGRAM, CXX_COMPILER   reused so the consumer builds alike
+cmake_minimum_required(VERSION 3.18)
+
+foreach(var HOW TRAINLOOP_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "trainloopCheckSubdirectory.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+
+function(run_step what command_var)
+  execute_process(COMMAND ${${command_var}} RESULT_VARIABLE status)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "${HOW}: ${what} failed (exit status ${status})")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+string(REPLACE "|" ":" prefix_path_env "${PREFIX_PATH}")
+
+# The consumer's own build type, which trainloop must leave alone.
+set(configure_command "${CMAKE_COMMAND}" -E env "CMAKE_PREFIX_PATH=${prefix_path_env}"
+  "${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}"
+  "-DHOW=${HOW}" "-DTRAINLOOP_SOURCE_DIR=${TRAINLOOP_SOURCE_DIR}"
+  "-DFETCHCONTENT_SOURCE_DIR_TRAINLOOP=${TRAINLOOP_SOURCE_DIR}"
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEXPECTED_BUILD_TYPE=RelWithDebInfo)
+if(GENERATOR)
+  list(APPEND configure_command -G "${GENERATOR}")
+endif()
+if(MAKE_PROGRAM)
+  list(APPEND configure_command "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
+endif()
+if(CXX_COMPILER)
+  list(APPEND configure_command "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+endif()
+message(STATUS "${HOW}: configuring the consumer")
+run_step("configuring the consumer" configure_command)
+message(STATUS "${HOW}: building the consumer")
+set(build_command "${CMAKE_COMMAND}" --build "${WORK_DIR}" --target trainloop_consumer)
+run_step("building the consumer" build_command)
+set(run_command "${WORK_DIR}/trainloop_consumer")
+run_step("running the consumer" run_command)
+message(STATUS "${HOW}: trainloop works as a subproject")
