@@ -69,15 +69,39 @@ inline TensorPair synthetic_mlp_data(int64_t samples, uint64_t seed, const torch
   return {x.to(device), y.to(device)};
 }
 
-/// @brief A wide MLP 784 -> 1024 -> 1024 -> 10 (ReLU), ~1.86 M parameters: 7.5 MB of gradients
-/// per step against little compute, so gradient communication is a large share of a step.
+/// @brief The shape of WideMlp: hidden width and number of hidden layers. Process-wide, so the
+/// default-constructible module (DataParallel replicas, DDP ranks re-running main) picks it up;
+/// set it from the command line before building a model.
+struct MlpShape {
+  int64_t width = 1024;        ///< units per hidden layer
+  int64_t hidden_layers = 2;   ///< hidden Linear+ReLU layers
+  /// Multiply-adds of one forward pass per sample (784 inputs, 10 classes, biases ignored).
+  int64_t forward_macs() const { return 784 * width + (hidden_layers - 1) * width * width + width * 10; }
+  /// FLOPs of one training step per sample: forward 2 x MACs, backward twice the forward.
+  double training_flops_per_sample() const { return 6.0 * static_cast<double>(forward_macs()); }
+};
+inline MlpShape& mlp_shape() {
+  static MlpShape shape;
+  return shape;
+}
+
+/// @brief A wide MLP 784 -> width (x hidden_layers, ReLU) -> 10; by default 784 -> 1024 -> 1024
+/// -> 10, ~1.86 M parameters: 7.5 MB of gradients per step against little compute, so gradient
+/// communication is a large share of a step. Its shape is mlp_shape().
 struct WideMlpImpl : torch::nn::Module {
-  WideMlpImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(784, 1024))),
-        fc2(register_module("fc2", torch::nn::Linear(1024, 1024))),
-        fc3(register_module("fc3", torch::nn::Linear(1024, 10))) {}
-  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
-  torch::nn::Linear fc1, fc2, fc3;
+  WideMlpImpl() {
+    const MlpShape shape = mlp_shape();
+    int64_t inputs = 784;
+    for (int64_t i = 0; i < shape.hidden_layers; ++i) {
+      layers->push_back(torch::nn::Linear(inputs, shape.width));
+      layers->push_back(torch::nn::ReLU());
+      inputs = shape.width;
+    }
+    layers->push_back(torch::nn::Linear(inputs, 10));
+    register_module("layers", layers);
+  }
+  torch::Tensor forward(torch::Tensor x) { return layers->forward(x); }
+  torch::nn::Sequential layers;
 };
 TORCH_MODULE(WideMlp);
 

@@ -9,7 +9,9 @@
 // - cnn (default): the Fashion-MNIST CNN of examples/fashion_net.hpp on a fixed random subset of
 //   the real training split, Adam(lr 1e-3) — compute dominates;
 // - mlp: a wide MLP 784 -> 1024 -> 1024 -> 10 on synthetic N(0,1) data, SGD(lr 0.01, momentum
-//   0.9) — 7.5 MB of gradients per step, so gradient communication dominates under DDP.
+//   0.9) — 7.5 MB of gradients per step, so gradient communication dominates under DDP;
+//   --mlp-width / --mlp-layers make it matmul-bound (e.g. 4096 x 4 on a GPU, against
+//   benchmarks/mlp_pytorch.py running the same loop in Python).
 // Every run is one pass (one epoch) over the same samples, from the same seeded weights, without
 // shuffling (the samples are stored in random order) and without validation or metrics.
 //
@@ -373,6 +375,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"hand", "single", "dp", "ddp"}));
   app.add_option("--data", c.data_dir, "directory with the Fashion-MNIST *-idx?-ubyte.gz files");
   app.add_option("--seed", c.seed, "seed for the data, the weights and dropout");
+  app.add_option("--mlp-width", bench::mlp_shape().width, "mlp: units per hidden layer")->check(CLI::PositiveNumber);
+  app.add_option("--mlp-layers", bench::mlp_shape().hidden_layers, "mlp: hidden layers")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -394,6 +398,11 @@ int main(int argc, char** argv) {
                   c.workload.c_str(), static_cast<long long>(c.samples), static_cast<long long>(c.batch_size),
                   device.str().c_str(), torch::get_num_threads(), static_cast<long long>(c.repetitions), c.replicas,
                   c.procs);
+      if (c.workload == "mlp") {
+        std::printf("mlp: 784 -> %lld x %lld -> 10, %.3f GFLOP per training sample (6 x multiply-adds)\n",
+                    static_cast<long long>(bench::mlp_shape().width), static_cast<long long>(bench::mlp_shape().hidden_layers),
+                    bench::mlp_shape().training_flops_per_sample() / 1e9);
+      }
       std::fflush(stdout);
     }
     if (c.workload == "mlp") return run_benchmark<bench::WideMlp>(c, bench::synthetic_mlp_data(c.samples, c.seed, data_device));

@@ -11,7 +11,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps=$(cd "$1" && pwd)
 out=$2
-steps=${3:-probe build test example}
+steps=${3:-probe build test example speed}
 mkdir -p "$out"
 build=${BUILD_DIR:-/tmp/trainloop-gpu-build}
 python=${PYTHON:-python3}
@@ -30,6 +30,9 @@ if has probe; then
     ls "$torch_include" | head -50
     echo "gloo headers in the wheel: $(ls -d "$torch_include"/gloo 2>/dev/null || echo none)"
     ls "$torch_include"/torch/csrc/distributed/c10d/ | head -80
+    grep -n "shutdown\|abort(" "$torch_include"/torch/csrc/distributed/c10d/Backend.hpp \
+      "$torch_include"/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp | head -20
+    grep -n "  Error(" "$torch_include"/c10/util/Exception.h | head
     for h in boost/test/included/unit_test.hpp range/v3/all.hpp CLI/CLI.hpp zlib.h; do
       echo "system $h: $(ls /usr/include/$h 2>/dev/null || echo absent)"
     done
@@ -58,6 +61,12 @@ fi
 if has test; then
   (cd "$build" && ctest --output-on-failure -j 4 --timeout 600) > "$out/test.log" 2>&1
   echo "ctest exit $?" >> "$out/test.log"
+  # A crash in a test: where (the machine has cuda-gdb, which debugs host code too, but no gdb).
+  if grep -q "memory access violation\|Segmentation fault" "$out/test.log" && command -v cuda-gdb > /dev/null; then
+    for t in test_data test_launcher; do
+      timeout 120 cuda-gdb -batch -ex run -ex bt --args "$build/tests/$t" >> "$out/test.log" 2>&1
+    done
+  fi
 fi
 
 if has example; then
@@ -66,4 +75,22 @@ if has example; then
       --data "$deps/data" --workers 2 > "$out/example-$mode.log" 2>&1
     echo "exit $?" >> "$out/example-$mode.log"
   done
+fi
+
+if has speed; then
+  # GPU checklist item 5: a matmul-bound MLP (784 -> 4096 x 4 -> 10, fp32) trained by the hand
+  # loop and by TrainLoop in every mode (compare_modes) and by the same loop in Python PyTorch,
+  # alternated repetition by repetition.
+  {
+    for rep in 1 2 3; do
+      "$build/benchmarks/compare_modes" --workload mlp --mlp-width 4096 --mlp-layers 4 --samples 65536 \
+        --batch-size 512 --device cuda:0 --replicas 1 --procs 1 --repetitions 1 --modes hand,single,dp,ddp \
+        --csv "/tmp/compare_modes_mlp_$rep.csv"
+      "$python" "$repo/benchmarks/mlp_pytorch.py" --device cuda:0 --width 4096 --layers 4 --samples 65536 \
+        --batch-size 512 --repetitions 1
+    done
+    "$build/benchmarks/compare_modes" --workload cnn --samples 12800 --batch-size 64 --device cuda:0 \
+      --replicas 1 --procs 1 --repetitions 3 --modes hand,single,dp,ddp --data "$deps/data" --csv /tmp/compare_modes_cnn.csv
+  } > "$out/speed.log" 2>&1
+  echo "speed exit $?" >> "$out/speed.log"
 fi
