@@ -14,6 +14,7 @@
 #   EXTRA_PREFIX_PATH     the build's own CMAKE_PREFIX_PATH (range-v3 etc. when not in /usr),
 #                         '|'-separated (add_test splits ';' lists)
 #   GENERATOR, MAKE_PROGRAM, CXX_COMPILER, BUILD_TYPE   reused so the consumer builds alike
+#   GLOO_INCLUDE_DIR      where Gloo's headers are (TRAINLOOP_GLOO_INCLUDE_DIR of the build)
 #   EXPECT_CUDA           TRUE when the build's libtorch is a CUDA build (USE_C10D_NCCL expected)
 cmake_minimum_required(VERSION 3.18)
 
@@ -105,6 +106,9 @@ if(MAKE_PROGRAM)
 endif()
 if(CXX_COMPILER)
   list(APPEND configure_command "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+endif()
+if(GLOO_INCLUDE_DIR)
+  list(APPEND configure_command "-DTRAINLOOP_GLOO_INCLUDE_DIR=${GLOO_INCLUDE_DIR}")
 endif()
 if(BUILD_TYPE)
   list(APPEND configure_command "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")

@@ -10,6 +10,7 @@
 #   WORK_DIR              scratch build directory (emptied first)
 #   PREFIX_PATH           where libtorch and range-v3 are found, '|'-separated (may be empty)
 #   GENERATOR, MAKE_PROGRAM, CXX_COMPILER   reused so the consumer builds alike
+#   GLOO_INCLUDE_DIR      where Gloo's headers are (TRAINLOOP_GLOO_INCLUDE_DIR of the build)
 cmake_minimum_required(VERSION 3.18)
 
 foreach(var HOW TRAINLOOP_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR)
@@ -43,6 +44,9 @@ if(MAKE_PROGRAM)
 endif()
 if(CXX_COMPILER)
   list(APPEND configure_command "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+endif()
+if(GLOO_INCLUDE_DIR)
+  list(APPEND configure_command "-DTRAINLOOP_GLOO_INCLUDE_DIR=${GLOO_INCLUDE_DIR}")
 endif()
 message(STATUS "${HOW}: configuring the consumer")
 run_step("configuring the consumer" configure_command)

@@ -38,6 +38,7 @@ endfunction()
 function(trainloop_link_dependencies target)
   get_target_property(imported ${target} IMPORTED)
   set(libraries ${TORCH_LIBRARIES} range-v3::range-v3 ZLIB::ZLIB Threads::Threads)
+  set(include_dirs "")
   # libstdc++ first among the program's libraries. pip torch's libtorch_cpu.so exports copies of
   # libstdc++'s std::filesystem functions, linked into it statically (pytorch issue 133437). A
   # program whose DT_NEEDED lists libtorch before libstdc++ (the compiler driver adds -lstdc++
@@ -55,6 +56,19 @@ function(trainloop_link_dependencies target)
     list(APPEND definitions USE_C10D_NCCL TRAINLOOP_WITH_CUDA=1)
   endif()
 
+  # Gloo's headers: ProcessGroupGloo.hpp includes <gloo/...>. Debian's libgloo-dev installs them;
+  # pip torch wheels compile Gloo in but ship none of its headers (checked: torch 2.11.0+cu130),
+  # so a consumer of pip torch points TRAINLOOP_GLOO_INCLUDE_DIR at a copy (the API trainloop
+  # uses, createDeviceFor*/Options, is the same in Debian's Gloo).
+  find_path(TRAINLOOP_GLOO_INCLUDE_DIR gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS}
+            DOC "Directory holding gloo/algorithm.h (Gloo's headers)")
+  if(NOT TRAINLOOP_GLOO_INCLUDE_DIR)
+    message(FATAL_ERROR "trainloop: Gloo's headers (gloo/algorithm.h) were not found; libtorch's c10d headers "
+                        "include them. Install them (Debian: libgloo-dev) or pass -DTRAINLOOP_GLOO_INCLUDE_DIR=<dir "
+                        "holding gloo/>; pip torch wheels ship none.")
+  endif()
+  list(APPEND include_dirs "${TRAINLOOP_GLOO_INCLUDE_DIR}")
+
   if(imported)
     # find_package(trainloop) twice in one directory re-includes the config; attach once.
     get_target_property(existing ${target} INTERFACE_COMPILE_DEFINITIONS)
@@ -64,9 +78,11 @@ function(trainloop_link_dependencies target)
   else()
     list(TRANSFORM libraries REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
     list(TRANSFORM definitions REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
+    list(TRANSFORM include_dirs REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
   endif()
   target_link_libraries(${target} INTERFACE ${libraries})
   target_compile_definitions(${target} INTERFACE ${definitions})
+  target_include_directories(${target} SYSTEM INTERFACE ${include_dirs})
 endfunction()
 
 # Makes every imported target trainloop links (libtorch's, range-v3's, zlib's, and what they

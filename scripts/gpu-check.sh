@@ -39,10 +39,10 @@ if has probe; then
   } > "$out/probe.log" 2>&1
 fi
 
-cxx_flags=""
+gloo_include=""
 if [[ ! -d $torch_include/gloo ]]; then
   # The wheel compiles Gloo in but ships no headers of it; Debian's declare the same classes.
-  cxx_flags="-isystem $deps/gloo/include"
+  gloo_include="-DTRAINLOOP_GLOO_INCLUDE_DIR=$deps/gloo/include"
 fi
 
 zlib_library=$(ls /usr/lib/x86_64-linux-gnu/libz.so /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
@@ -51,7 +51,7 @@ timer=(); [[ -x /usr/bin/time ]] && timer=(/usr/bin/time -v)
 if has build; then
   {
     cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      "-DCMAKE_PREFIX_PATH=$torch_prefix;$deps/prefix" "-DCMAKE_CXX_FLAGS=$cxx_flags" \
+      "-DCMAKE_PREFIX_PATH=$torch_prefix;$deps/prefix" $gloo_include \
       -DZLIB_INCLUDE_DIR="$deps/prefix/include" ${zlib_library:+-DZLIB_LIBRARY=$zlib_library} -DCMAKE_CUDA_ARCHITECTURES=90 &&
     cmake --build "$build" -j "$(nproc)" -- -k 0
   } > "$out/build.log" 2>&1

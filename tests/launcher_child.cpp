@@ -66,6 +66,7 @@ void run_scenario(const dist::RankEnv& env) {
       std::raise(SIGSEGV);
     }
     while (!fs::exists(out / "crashing")) std::this_thread::sleep_for(1ms);
+    if (env_or("TL_TEST_PEER_DIES_OF") == "SIGPIPE") std::raise(SIGPIPE);  // wrote to the dead peer's socket
     throw trainloop::CommunicationError("gloo: Read error [127.0.0.1]:1234: Connection reset by peer");
   }
   if (scenario == "exit0_rank1" && env.rank == 1) {

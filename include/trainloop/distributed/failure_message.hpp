@@ -10,6 +10,7 @@
 #include <trainloop/error.hpp>
 
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <iomanip>
 #include <sstream>
@@ -22,7 +23,7 @@
 namespace trainloop::dist {
 
 /// Several ranks seen failed in one poll: a rank whose error only reports a lost peer (a
-/// collective that failed because another rank died) comes after the others; among the rest,
+/// collective that failed because another rank died, or death by SIGPIPE) comes after the others; among the rest,
 /// crashes and early exits (no error file) first (their peers' errors are consequences), then
 /// the earliest error file; ties by rank.
 inline void order_by_first_failure(const std::string& run_dir, std::vector<const RankProcess*>& failed) {
@@ -40,7 +41,10 @@ inline void order_by_first_failure(const std::string& run_dir, std::vector<const
     const RankErrorReport report = read_rank_error(run_dir, process->rank);
     std::error_code missing;
     auto time = std::filesystem::last_write_time(rank_error_path(run_dir, process->rank), missing);
-    return Key{report.consequence ? 1 : 0, report.present ? 1 : 0,
+    // A rank killed by SIGPIPE wrote to a socket whose peer was gone: a consequence too (a C++
+    // program dies of it unless it ignores SIGPIPE; Gloo does not always send with MSG_NOSIGNAL).
+    const bool consequence = report.consequence || process->signal == SIGPIPE;
+    return Key{consequence ? 1 : 0, report.present ? 1 : 0,
                missing ? std::filesystem::file_time_type() : time, process->rank};
   };
   std::stable_sort(failed.begin(), failed.end(),

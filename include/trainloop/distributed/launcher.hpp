@@ -305,7 +305,7 @@ inline const std::vector<RankProcess>& Launcher::launch() {
     // likely dying right now (its peers noticed within milliseconds): give it a moment to be
     // reaped, so that it, not its peer, is named.
     const bool only_consequences = std::all_of(failed.begin(), failed.end(), [&](const RankProcess* process) {
-      return read_rank_error(run_dir_, process->rank).consequence;
+      return process->signal == SIGPIPE || read_rank_error(run_dir_, process->rank).consequence;
     });
     if (!failed.empty() && only_consequences && any_running) {
       if (!first_consequence_seen) first_consequence_seen = std::chrono::steady_clock::now();
