@@ -26,6 +26,25 @@ function(trainloop_torch_has_cuda out_var)
   endif()
 endfunction()
 
+# Gloo's headers: ProcessGroupGloo.hpp includes <gloo/...>. Debian's libgloo-dev installs them;
+# pip torch wheels compile Gloo in but ship none of its headers (checked: torch 2.11.0+cu130), so
+# a consumer of pip torch points TRAINLOOP_GLOO_INCLUDE_DIR at a copy (the API trainloop uses,
+# createDeviceFor*() and the backend options, is the same in Debian's Gloo; headers from the Gloo
+# commit the wheel was built from are the safer choice). Sets `found_var` TRUE or FALSE.
+set(TRAINLOOP_GLOO_NOT_FOUND_MESSAGE
+    "trainloop: Gloo's headers (gloo/algorithm.h) were not found; libtorch's c10d headers include them. Install "
+    "them (Debian: libgloo-dev) or pass -DTRAINLOOP_GLOO_INCLUDE_DIR=<directory holding gloo/>; pip torch wheels "
+    "ship none.")
+function(trainloop_find_gloo_headers found_var)
+  find_path(TRAINLOOP_GLOO_INCLUDE_DIR gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS}
+            DOC "Directory holding gloo/algorithm.h (Gloo's headers)")
+  if(TRAINLOOP_GLOO_INCLUDE_DIR)
+    set(${found_var} TRUE PARENT_SCOPE)
+  else()
+    set(${found_var} FALSE PARENT_SCOPE)
+  endif()
+endfunction()
+
 # Attaches libtorch, range-v3, zlib, threads and the c10d definitions to `target`.
 #
 # On trainloop's own (non-imported) target everything is wrapped in $<BUILD_INTERFACE:...>:
@@ -56,16 +75,9 @@ function(trainloop_link_dependencies target)
     list(APPEND definitions USE_C10D_NCCL TRAINLOOP_WITH_CUDA=1)
   endif()
 
-  # Gloo's headers: ProcessGroupGloo.hpp includes <gloo/...>. Debian's libgloo-dev installs them;
-  # pip torch wheels compile Gloo in but ship none of its headers (checked: torch 2.11.0+cu130),
-  # so a consumer of pip torch points TRAINLOOP_GLOO_INCLUDE_DIR at a copy (the API trainloop
-  # uses, createDeviceFor*/Options, is the same in Debian's Gloo).
-  find_path(TRAINLOOP_GLOO_INCLUDE_DIR gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS}
-            DOC "Directory holding gloo/algorithm.h (Gloo's headers)")
-  if(NOT TRAINLOOP_GLOO_INCLUDE_DIR)
-    message(FATAL_ERROR "trainloop: Gloo's headers (gloo/algorithm.h) were not found; libtorch's c10d headers "
-                        "include them. Install them (Debian: libgloo-dev) or pass -DTRAINLOOP_GLOO_INCLUDE_DIR=<dir "
-                        "holding gloo/>; pip torch wheels ship none.")
+  trainloop_find_gloo_headers(gloo_found)
+  if(NOT gloo_found)
+    message(FATAL_ERROR "${TRAINLOOP_GLOO_NOT_FOUND_MESSAGE}")
   endif()
   list(APPEND include_dirs "${TRAINLOOP_GLOO_INCLUDE_DIR}")
 
@@ -93,11 +105,12 @@ endfunction()
 # that called find_package().
 function(trainloop_make_dependencies_global)
   if(NOT CMAKE_VERSION VERSION_LESS 3.21)
-    # Every imported target find_package() created here: libtorch's config creates more than
-    # trainloop names directly (torch_cpu, c10, caffe2::*, CUDA::*), referenced from generator
-    # expressions in the targets' properties.
-    get_directory_property(imported IMPORTED_TARGETS)
+    # The imported targets trainloop's own find_package() calls created (libtorch's config
+    # creates more than trainloop names: torch_cpu, c10, caffe2::*, CUDA::*), not those a parent
+    # project created: those are visible already, and promoting theirs is not ours to do.
+    set(imported ${TRAINLOOP_CREATED_IMPORTED_TARGETS})
   else()
+    # Best effort without the IMPORTED_TARGETS directory property: the names trainloop links.
     set(imported torch torch_cpu torch_cuda c10 c10_cuda torch_library range-v3::range-v3 range-v3 ZLIB::ZLIB
         Threads::Threads)
   endif()
@@ -116,8 +129,23 @@ endfunction()
 # In trainloop's own build a missing dependency is a configure error. (In the installed config
 # the macro above runs instead, so find_package(trainloop) reports it the standard way.)
 if(NOT TRAINLOOP_LOADING_PACKAGE_CONFIG)
+  if(NOT CMAKE_VERSION VERSION_LESS 3.21)
+    get_directory_property(trainloop_imported_before IMPORTED_TARGETS)
+  endif()
   find_package(Threads REQUIRED)
   find_package(ZLIB REQUIRED)
   find_package(range-v3 REQUIRED)
-  find_package(Torch REQUIRED)
+  # A parent project that found Torch already: its targets are visible here, and a second
+  # find_package(Torch) would fail with a CUDA libtorch (Caffe2's cuda.cmake creates
+  # caffe2::cuda and friends without checking whether they exist).
+  if(NOT TARGET torch)
+    find_package(Torch REQUIRED)
+  endif()
+  if(NOT CMAKE_VERSION VERSION_LESS 3.21)
+    get_directory_property(trainloop_imported_after IMPORTED_TARGETS)
+    set(TRAINLOOP_CREATED_IMPORTED_TARGETS ${trainloop_imported_after})
+    if(trainloop_imported_before)
+      list(REMOVE_ITEM TRAINLOOP_CREATED_IMPORTED_TARGETS ${trainloop_imported_before})
+    endif()
+  endif()
 endif()

@@ -4,7 +4,8 @@
 //   ddp_worker <scenario> <world> <out-dir> [port]
 //
 // Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
-// exit0, bad_label, oom, long, sigchld_ignored, lr_between_fits, evaluate_everywhere, two_loops.
+// exit0, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
+// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops.
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -19,6 +20,7 @@
 #include <fstream>
 #include <iostream>
 #include <thread>
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace tl = trainloop;
@@ -57,14 +59,22 @@ struct SlowAndVisible : tl::Callback {
 };
 
 /// The test MLP, but its forward throws a libtorch out-of-memory error on rank 1 (as a CUDA
-/// allocation would), to check that the error keeps its type on its way to the caller.
+/// allocation would) for batches of more than `oom_above` samples, to check that the error keeps
+/// its type on its way to the caller, and that a caller can retry with a smaller batch.
+int64_t oom_above = 0;
 struct OomOnRank1Impl : MlpImpl {
   torch::Tensor forward(torch::Tensor x) {
-    if (own_rank() == 1) C10_THROW_ERROR(OutOfMemoryError, "simulated: CUDA out of memory on rank 1");
+    if (own_rank() == 1 && x.size(0) > oom_above) C10_THROW_ERROR(OutOfMemoryError, "simulated: CUDA out of memory on rank 1");
     return MlpImpl::forward(x);
   }
 };
 TORCH_MODULE(OomOnRank1);
+
+/// A program's own SIGCHLD handler that reaps every child (some servers have one).
+void reap_every_child(int) {
+  while (::waitpid(-1, nullptr, WNOHANG) > 0) {
+  }
+}
 
 void write_eval(std::ofstream& out, const std::string& name, const tl::EvalResult& result) {
   out << name << "_loss " << result.loss << '\n'
@@ -84,6 +94,11 @@ int main(int argc, char** argv) {
   const std::string out_dir = argv[3];
   const int port = argc > 4 ? std::stoi(argv[4]) : 0;
   if (scenario == "sigchld_ignored") std::signal(SIGCHLD, SIG_IGN);  // some programs do this
+  if (scenario == "sigchld_handler") std::signal(SIGCHLD, reap_every_child);
+  if (scenario == "throw_before_fit" && own_rank() == 1) {
+    // User code before fit() failing in one rank only: escapes main() in that rank.
+    throw std::runtime_error("rank 1 could not open its shard of the data");
+  }
   try {
     torch::manual_seed(5);
     Mlp net;
@@ -129,12 +144,26 @@ int main(int argc, char** argv) {
       train = tl::data::TensorDataset(train.inputs(), targets);
     }
 
-    if (scenario == "oom") {
+    if (scenario == "oom" || scenario == "retry_after_oom") {
+      oom_above = 2;
       OomOnRank1 oom_net;
       torch::optim::SGD oom_optimizer(oom_net->parameters(), torch::optim::SGDOptions(0.05));
       tl::TrainLoop<OomOnRank1, tl::gpu_mode::DistributedDataParallel> loop(
           oom_net, train, {}, oom_optimizer, torch::nn::CrossEntropyLoss(), options, mode);
-      loop.fit(1);
+      int retried = 0;
+      try {
+        loop.fit(1);
+      } catch (const c10::OutOfMemoryError&) {
+        if (scenario == "oom") throw;
+        // What users do: back off the batch size and try again. The ranks of this second
+        // launch pass the first fit() again, which must throw there too, so they get here.
+        retried = 1;
+        tl::TrainLoop<OomOnRank1, tl::gpu_mode::DistributedDataParallel> smaller(
+            oom_net, train, {}, oom_optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions(options).batch_size(2),
+            mode);
+        smaller.fit(1);
+      }
+      std::ofstream(out_dir + "/result.txt") << "retried " << retried << '\n';
       return 0;
     }
 

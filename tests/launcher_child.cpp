@@ -69,6 +69,14 @@ void run_scenario(const dist::RankEnv& env) {
     if (env_or("TL_TEST_PEER_DIES_OF") == "SIGPIPE") std::raise(SIGPIPE);  // wrote to the dead peer's socket
     throw trainloop::CommunicationError("gloo: Read error [127.0.0.1]:1234: Connection reset by peer");
   }
+  if (scenario == "grandchild") {
+    // A program the rank starts (through a shell) inherits the TRAINLOOP_* variables; it must
+    // not take itself for an orphaned rank and kill itself.
+    const std::string self = fs::read_symlink("/proc/self/exe").string();
+    const int status = std::system((self + " grandchild " + (out / ("grandchild" + std::to_string(env.rank))).string()).c_str());
+    write_file(out / ("grandchild_status" + std::to_string(env.rank)), std::to_string(status));
+    return;
+  }
   if (scenario == "exit0_rank1" && env.rank == 1) {
     std::this_thread::sleep_for(100ms);
     std::exit(0);  // user code ending the program while the other ranks still train
@@ -78,7 +86,11 @@ void run_scenario(const dist::RankEnv& env) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "grandchild") {
+    write_file(argv[2], "ran");
+    return 0;
+  }
   auto env = dist::detect_rank_env();
   if (!env || env->source != dist::RankEnvSource::Trainloop) {
     std::fprintf(stderr, "launcher_child: expected to be started by trainloop::dist::Launcher\n");

@@ -471,6 +471,34 @@ BOOST_AUTO_TEST_CASE(an_out_of_memory_error_in_a_rank_is_caught_as_c10_out_of_me
   fs::remove_all(run.dir);
 }
 
+BOOST_AUTO_TEST_CASE(a_caller_that_retries_a_failed_fit_with_a_smaller_batch_gets_the_same_path_in_every_rank) {
+  // The ranks of the retry pass the failed fit() again: it must throw there too, or they would
+  // skip the caller's catch block and never reach the retry.
+  auto run = run_worker("retry_after_oom", 2);
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  BOOST_TEST(run.result["retried"] == 1);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(an_exception_escaping_main_in_a_rank_reaches_the_user_in_its_own_words) {
+  auto run = run_worker("throw_before_fit", 2);
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 3);
+  BOOST_TEST(run.output.find("rank 1 failed: rank 1 could not open its shard of the data") != std::string::npos);
+  BOOST_TEST(run.output.find("SIGABRT") == std::string::npos);
+  BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_program_whose_sigchld_handler_reaps_every_child_still_runs_ddp) {
+  auto run = run_worker("sigchld_handler", 2);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  auto difference = (load_params((run.dir / "params.pt").string()) - reference_params(2, 1)).abs().max().item<double>();
+  BOOST_TEST(difference <= 1e-5);
+  fs::remove_all(run.dir);
+}
+
 BOOST_AUTO_TEST_CASE(a_program_that_ignores_sigchld_still_runs_ddp) {
   // With SIGCHLD ignored the kernel reaps the ranks itself; a successful job used to fail with
   // "reaped by someone else".

@@ -325,6 +325,16 @@ BOOST_AUTO_TEST_CASE(a_rank_that_exits_0_before_its_work_is_done_is_a_failure) {
   BOOST_TEST(launcher.ranks()[0].stopped_by_launcher);
 }
 
+BOOST_AUTO_TEST_CASE(a_program_a_rank_starts_does_not_kill_itself) {
+  OutDir out;
+  dist::Launcher launcher(child_options(2, "grandchild", out.path));
+  launcher.launch();
+  for (int rank = 0; rank < 2; ++rank) {
+    BOOST_TEST(read_file(out.path / ("grandchild_status" + std::to_string(rank))) == "0");
+    BOOST_TEST(read_file(out.path / ("grandchild" + std::to_string(rank))) == "ran");
+  }
+}
+
 BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) {
   OutDir out;
   const fs::path parent = out.path / "tmp";
@@ -333,10 +343,14 @@ BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) 
   // without an owner file (not ours to judge).
   const fs::path dead = parent / "trainloop-run-999999999-abcdef";
   fs::create_directories(dead / "sub");
-  write_file(dead / "owner", "999999999 12345\n");
+  write_file(dead / "owner", "999999999 12345 " + dist::pid_domain() + "\n");
   const fs::path alive = dist::create_owned_directory(parent, "trainloop-run");
   const fs::path foreign = parent / "trainloop-something-else";
   fs::create_directories(foreign);
+  // Owned by a process of another machine (a TMPDIR on shared scratch): its pid means nothing here.
+  const fs::path other_machine = parent / "trainloop-run-999999999-ghijkl";
+  fs::create_directories(other_machine);
+  write_file(other_machine / "owner", "999999999 12345 another-boot-id/another-host/pid:[1]\n");
   {
     dist::Launcher launcher(child_options(1, "succeed", out.path).run_dir_parent(parent.string()));
     launcher.launch();
@@ -344,6 +358,7 @@ BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) 
   BOOST_TEST(!fs::exists(dead));
   BOOST_TEST(fs::exists(alive));
   BOOST_TEST(fs::exists(foreign));
+  BOOST_TEST(fs::exists(other_machine));
 }
 
 BOOST_AUTO_TEST_CASE(rank_ignoring_sigterm_is_killed_after_grace) {

@@ -3,12 +3,14 @@
 
 #include "test_support.hpp"
 
+#include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace tl = trainloop;
@@ -389,5 +391,17 @@ BOOST_AUTO_TEST_CASE(a_csv_logger_on_a_directory_is_a_clear_error_that_leaves_no
     stray += entry.path().filename().string().rfind(dir.filename().string() + ".tmp", 0) == 0 ? 1 : 0;
   }
   BOOST_TEST(stray == 0);
+  std::filesystem::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(an_atomically_written_file_gets_the_permissions_the_umask_allows) {
+  const auto dir = std::filesystem::temp_directory_path() / ("trainloop_umask_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const mode_t previous = ::umask(027);
+  tl::detail::write_file_atomically(dir / "file.csv", "a,b\n", "a test file");
+  ::umask(previous);
+  const auto permissions = std::filesystem::status(dir / "file.csv").permissions();
+  BOOST_TEST(static_cast<int>(permissions) == 0640);
   std::filesystem::remove_all(dir);
 }

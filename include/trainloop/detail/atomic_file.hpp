@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -32,6 +33,16 @@ inline void sync_directory(const std::filesystem::path& dir) noexcept {
   if (fd < 0) return;
   ::fsync(fd);
   ::close(fd);
+}
+
+/// This process's umask, read without changing it (umask() would, racing other threads).
+inline mode_t process_umask() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Umask:", 0) == 0) return static_cast<mode_t>(std::stoul(line.substr(6), nullptr, 8));
+  }
+  return 022;
 }
 
 /// A temporary file next to `target` that becomes `target` on commit(), or disappears.
@@ -49,9 +60,10 @@ class AtomicFile {
     TRAINLOOP_CHECK(std::filesystem::is_directory(dir, ignored), "the directory ", dir.string(), " of ", what_, " ",
                     target_.string(), " does not exist; expected an existing directory");
     std::string pattern = target_.string() + ".tmp.XXXXXX";
-    fd_ = ::mkstemp(pattern.data());
+    fd_ = ::mkostemp(pattern.data(), O_CLOEXEC);  // not inherited by ranks spawned meanwhile
     if (fd_ < 0) fail("cannot create a temporary file next to it");
-    ::fchmod(fd_, 0644);  // mkstemp makes 0600; the final file should be readable like any other
+    // mkostemp makes 0600; the final file gets the permissions any new file would get.
+    ::fchmod(fd_, 0666 & ~process_umask());
     temporary_ = pattern;
   }
   AtomicFile(const AtomicFile&) = delete;

@@ -211,8 +211,15 @@ inline void Launcher::spawn(RankProcess& process, const std::vector<std::string>
                              argv_pointers.data(), env_pointers.data());
   posix_spawn_file_actions_destroy(&files);
   posix_spawnattr_destroy(&attributes);
-  TRAINLOOP_CHECK(status == 0, "cannot start rank ", process.rank, " (", options_.executable(),
-                  "): ", std::strerror(status), "; expected an executable program");
+  if (status == ENOENT || status == EACCES || status == ENOEXEC) {
+    TRAINLOOP_CHECK(false, "cannot start rank ", process.rank, " (", options_.executable(), "): ",
+                    std::strerror(status), "; expected an executable program");
+  }
+  if (status != 0) {
+    throw Error(::trainloop::detail::concat("trainloop: cannot start rank ", process.rank, " (",
+                                            options_.executable(), "): ", std::strerror(status),
+                                            "; the system is out of processes or memory"));
+  }
   process.running = true;
 }
 
@@ -230,7 +237,14 @@ inline bool Launcher::reap(RankProcess& process, bool block) {
   process.exited = true;
   process.wall_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - process.started).count();
-  if (result < 0) return true;  // ECHILD: reaped elsewhere (SIGCHLD ignored?); status unknown
+  if (result < 0) {
+    // ECHILD: reaped elsewhere (a SIGCHLD handler of the program's own that waits for any child).
+    // Its done marker, when required, still says whether it finished its work.
+    if (options_.require_completion() && std::filesystem::exists(rank_done_path(run_dir_, process.rank))) {
+      process.exit_code = 0;
+    }
+    return true;
+  }
   if (WIFEXITED(status)) process.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) process.signal = WTERMSIG(status);
   if (options_.require_completion() && process.signal == 0 && process.exit_code == 0 &&

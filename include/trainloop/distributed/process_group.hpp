@@ -11,6 +11,7 @@
 /// Every collective must be called in the same order with the same shapes on every rank; calls
 /// from several threads of one rank must be serialised by the caller.
 
+#include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/distributed/backend_factory.hpp>
 #include <trainloop/distributed/rendezvous.hpp>
@@ -147,10 +148,15 @@ class ProcessGroup {
   }
 
   /// Waits for an asynchronous collective; a failure (peer died, timeout) becomes a
-  /// trainloop::Error naming `what`, this rank and the timeout.
+  /// trainloop::CommunicationError naming `what`, this rank and the timeout; running out of
+  /// memory stays a c10::OutOfMemoryError (with that context added).
   void wait(const WorkHandle& work, const char* what = "collective") const {
     try {
       work->wait();
+    } catch (const c10::OutOfMemoryError&) {
+      // Not a communication failure: the caller may react to it (a smaller batch).
+      ::trainloop::detail::rethrow_with_context(::trainloop::detail::concat(
+          "trainloop: ", what, " on rank ", rank_, " of ", world_size_, " ran out of memory"));
     } catch (const std::exception& error) {
       throw CommunicationError(::trainloop::detail::concat(
           "trainloop: ", what, " failed on rank ", rank_, " of ", world_size_, " (", to_string(backend_kind_),

@@ -33,6 +33,23 @@ inline std::filesystem::path temporary_root() {
   return std::filesystem::path(tmp && *tmp ? tmp : "/tmp");
 }
 
+/// Which machine and pid namespace a pid belongs to: boot id, host name and pid namespace of
+/// this process. A TMPDIR shared by several machines (scratch file systems) or by containers
+/// with separate pid namespaces holds directories whose owner pids mean nothing here.
+inline std::string pid_domain() {
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::error_code ignored;
+  const auto namespace_link = std::filesystem::read_symlink("/proc/self/ns/pid", ignored).string();
+  std::string domain = boot_id + "/" + host + "/" + namespace_link;
+  for (char& c : domain) {
+    if (c == ' ' || c == '\n') c = '_';
+  }
+  return domain;
+}
+
 /// Creates `<parent>/<prefix>-<pid>-XXXXXX` with an owner file naming this process.
 /// @throws trainloop::Error naming the pattern when the directory cannot be created.
 inline std::filesystem::path create_owned_directory(const std::filesystem::path& parent, const std::string& prefix) {
@@ -42,16 +59,19 @@ inline std::filesystem::path create_owned_directory(const std::filesystem::path&
                                             std::strerror(errno), "; expected a writable TMPDIR or /tmp"));
   }
   std::ofstream(std::filesystem::path(pattern) / kRunDirOwnerFile)
-      << ::getpid() << ' ' << detail::process_start_time(::getpid()) << '\n';
+      << ::getpid() << ' ' << detail::process_start_time(::getpid()) << ' ' << pid_domain() << '\n';
   return pattern;
 }
 
-/// True when `dir` has an owner file whose process has ended.
+/// True when `dir` has an owner file whose process, on this machine and in this pid namespace,
+/// has ended. Directories owned elsewhere, or without an owner file (yet), are not ours to judge.
 inline bool owner_is_gone(const std::filesystem::path& dir) {
   std::ifstream in(dir / kRunDirOwnerFile);
   long pid = 0;
   std::uint64_t start_time = 0;
-  if (!(in >> pid >> start_time)) return false;  // no owner file (yet): not ours to judge
+  std::string domain;
+  if (!(in >> pid >> start_time >> domain)) return false;
+  if (domain != pid_domain()) return false;
   return !detail::process_alive(pid, start_time);
 }
 

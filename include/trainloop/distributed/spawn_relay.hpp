@@ -26,9 +26,14 @@
 #include <trainloop/history.hpp>
 
 #include <c10/util/Exception.h>
+#include <atomic>
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <iterator>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
@@ -83,6 +88,16 @@ inline int next_fit_index() {
 }
 
 inline std::string fit_state_name(int fit_index) { return "fit" + std::to_string(fit_index); }
+
+/// Renames `from` to `to`. @throws trainloop::Error naming both.
+inline void move_file(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::error_code error;
+  std::filesystem::rename(from, to, error);
+  if (error) {
+    throw Error(::trainloop::detail::concat("trainloop: cannot move ", from.string(), " to ", to.string(), ": ",
+                                            error.message(), "; expected the session directory to be writable"));
+  }
+}
 inline std::filesystem::path fit_history_path(const std::filesystem::path& dir, int fit_index) {
   return dir / (fit_state_name(fit_index) + ".history.txt");
 }
@@ -99,13 +114,32 @@ inline FailureDescription describe_rank_exception(const std::exception& error) {
   return description;
 }
 
+/// Throws an exception of the type named `type` ("c10::OutOfMemoryError", "trainloop::ConfigurationError",
+/// ...) with `message`: libtorch's classes as themselves (without a backtrace: the launcher's own
+/// stack would only mislead; the rank's is in its kept error file), trainloop's as themselves,
+/// anything else as trainloop::Error. Used to rethrow a rank's failure in the launching process
+/// as the class the rank threw, and to replay a failed fit() call in the ranks of a later one.
+[[noreturn]] inline void throw_as_type(const std::string& type, const std::string& message) {
+  if (type == "c10::OutOfMemoryError") throw c10::OutOfMemoryError(message, {}, nullptr);
+  if (type == "c10::IndexError") throw c10::IndexError(message, {}, nullptr);
+  if (type == "c10::ValueError") throw c10::ValueError(message, {}, nullptr);
+  if (type == "c10::TypeError") throw c10::TypeError(message, {}, nullptr);
+  if (type == "c10::NotImplementedError") throw c10::NotImplementedError(message, {}, nullptr);
+  if (type.rfind("c10::", 0) == 0) throw c10::Error(message, {}, nullptr);
+  if (type == "trainloop::ConfigurationError") throw ConfigurationError(message);
+  if (type == "trainloop::CommunicationError") throw CommunicationError(message);
+  if (type == "trainloop::RankFailedError") throw RankFailedError(message, {});
+  throw Error(message);
+}
+
 /// Rethrows a rank's failure so that a libtorch error in a rank reaches the caller as a libtorch
 /// error of the same class (`catch (const c10::OutOfMemoryError&)` works in spawn mode too), with
 /// the launcher's message and the RankFailedError nested inside; anything else as the
 /// RankFailedError itself. Call from the catch block of that RankFailedError.
 [[noreturn]] inline void rethrow_rank_failure(const RankFailedError& failure) {
+  // std::throw_with_nested nests the exception being handled (the RankFailedError), so it is
+  // called here, in the caller's catch block, once per class.
   const std::string& type = failure.details().error_type;
-  // No backtrace: the launcher's own stack would only mislead; the rank's is in the kept file.
   const std::string message = failure.what();
   if (type == "c10::OutOfMemoryError") std::throw_with_nested(c10::OutOfMemoryError(message, {}, nullptr));
   if (type == "c10::IndexError") std::throw_with_nested(c10::IndexError(message, {}, nullptr));
@@ -115,6 +149,65 @@ inline FailureDescription describe_rank_exception(const std::exception& error) {
   if (type.rfind("c10::", 0) == 0) std::throw_with_nested(c10::Error(message, {}, nullptr));
   throw;
 }
+
+/// Path of the record of DDP fit() call `fit_index` having failed in the launching process.
+inline std::filesystem::path fit_failure_path(const std::filesystem::path& session, int fit_index) {
+  return session / (fit_state_name(fit_index) + ".failed");
+}
+
+/// The class name the caller of a failed fit() call catches, as throw_as_type() spells it.
+inline std::string caught_type(const std::exception& error) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&error)) return "c10::OutOfMemoryError";
+  if (dynamic_cast<const c10::IndexError*>(&error)) return "c10::IndexError";
+  if (dynamic_cast<const c10::ValueError*>(&error)) return "c10::ValueError";
+  if (dynamic_cast<const c10::TypeError*>(&error)) return "c10::TypeError";
+  if (dynamic_cast<const c10::NotImplementedError*>(&error)) return "c10::NotImplementedError";
+  if (dynamic_cast<const c10::Error*>(&error)) return "c10::Error";
+  if (dynamic_cast<const RankFailedError*>(&error)) return "trainloop::RankFailedError";
+  if (dynamic_cast<const ConfigurationError*>(&error)) return "trainloop::ConfigurationError";
+  if (dynamic_cast<const CommunicationError*>(&error)) return "trainloop::CommunicationError";
+  return "trainloop::Error";
+}
+
+/// Runs the rank side of a failed fit() call again: throws what the caller caught, so the
+/// program takes the same path (a catch that retries with a smaller batch) in every rank.
+[[noreturn]] inline void replay_fit_failure(const std::filesystem::path& record) {
+  std::ifstream in(record);
+  std::string type;
+  std::getline(in, type);
+  std::string message((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  throw_as_type(type, message);
+}
+
+/// In a rank we spawned, an exception that escapes main() (thrown before or after the fit() the
+/// rank trains: joining the group, evaluate() before fit()) still reaches the launcher as the
+/// rank's own error, not as "killed by SIGABRT".
+[[noreturn]] inline void report_uncaught_exception() {
+  if (auto error = std::current_exception()) {
+    const RankEnv env = [] {
+      RankEnv parsed;
+      parsed.source = RankEnvSource::Trainloop;
+      parsed.run_dir = ::trainloop::dist::detail::env_string(env_names::run_dir).value_or("");
+      if (const char* rank = std::getenv(env_names::rank)) parsed.rank = std::atoi(rank);
+      return parsed;
+    }();
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& escaped) {
+      report_rank_failure(env, describe_rank_exception(escaped));
+    } catch (...) {
+      report_rank_failure(env, FailureDescription{"unknown", "an exception not derived from std::exception escaped main()",
+                                                  "an exception not derived from std::exception escaped main()", false});
+    }
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+  std::abort();  // terminate() for another reason: what the default handler does
+}
+inline const bool rank_reports_uncaught_exceptions = [] {
+  if (std::getenv(env_names::launcher_pid) != nullptr) std::set_terminate(&report_uncaught_exception);
+  return true;
+}();
 
 }  // namespace detail
 
@@ -128,22 +221,42 @@ inline History launch_spawned_fit(torch::nn::Module& module, torch::optim::Optim
   env[env_names::fit_index] = std::to_string(fit_index);
   env[env_names::session_dir] = session.string();
   options.env(env).run_dir_parent(session.string()).require_completion(true);
-  Launcher launcher(options);
-  const std::filesystem::path run_dir = launcher.run_dir();
-  save_training_state(module, optimizer, run_dir, "initial");
+  // A failed call is recorded, so the ranks of a later call replay it (see replay_fit_failure).
+  auto record_failure = [&](const std::exception& error) {
+    try {
+      ::trainloop::detail::write_file_atomically(detail::fit_failure_path(session, fit_index),
+                                                 detail::caught_type(error) + "\n" + error.what(),
+                                                 "the record of a failed fit()");
+    } catch (...) {
+    }
+  };
   try {
-    launcher.launch();
+    Launcher launcher(options);
+    const std::filesystem::path run_dir = launcher.run_dir();
+    save_training_state(module, optimizer, run_dir, "initial");
+    try {
+      launcher.launch();
+    } catch (const RankFailedError& failure) {
+      detail::rethrow_rank_failure(failure);
+    }
+    load_training_state(module, optimizer, run_dir, "trained");
+    History history = ::trainloop::detail::read_history(run_dir / "history.txt");
+    // Kept for the ranks of later calls, which pass this one (see the file comment).
+    const std::string name = detail::fit_state_name(fit_index);
+    detail::move_file(run_dir / "trained.model.pt", session / (name + ".model.pt"));
+    detail::move_file(run_dir / "trained.optimizer.pt", session / (name + ".optimizer.pt"));
+    detail::move_file(run_dir / "history.txt", detail::fit_history_path(session, fit_index));
+    return history;
   } catch (const RankFailedError& failure) {
-    detail::rethrow_rank_failure(failure);
+    record_failure(failure);
+    throw;
+  } catch (const c10::Error& failure) {
+    record_failure(failure);
+    throw;
+  } catch (const Error& failure) {
+    record_failure(failure);
+    throw;
   }
-  load_training_state(module, optimizer, run_dir, "trained");
-  History history = ::trainloop::detail::read_history(run_dir / "history.txt");
-  // Kept for the ranks of later calls, which pass this one (see the file comment).
-  const std::string name = detail::fit_state_name(fit_index);
-  std::filesystem::rename(run_dir / "trained.model.pt", session / (name + ".model.pt"));
-  std::filesystem::rename(run_dir / "trained.optimizer.pt", session / (name + ".optimizer.pt"));
-  std::filesystem::rename(run_dir / "history.txt", detail::fit_history_path(session, fit_index));
-  return history;
 }
 
 /// The rank side of DDP fit() call `fit_index` in a rank spawned by launch_spawned_fit():
@@ -157,6 +270,9 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, torch::nn::Modul
   const int wanted = ::trainloop::dist::detail::env_int(env_names::fit_index, 1).value_or(1);
   const std::filesystem::path session = ::trainloop::dist::detail::env_string(env_names::session_dir).value_or("");
   if (fit_index < wanted) {
+    if (std::filesystem::exists(detail::fit_failure_path(session, fit_index))) {
+      detail::replay_fit_failure(detail::fit_failure_path(session, fit_index));
+    }
     load_training_state(module, optimizer, session, detail::fit_state_name(fit_index));
     return ::trainloop::detail::read_history(detail::fit_history_path(session, fit_index));
   }

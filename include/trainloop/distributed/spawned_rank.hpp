@@ -22,6 +22,7 @@
 
 #include <cxxabi.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -36,10 +37,12 @@
 
 namespace trainloop::dist {
 
-/// In a rank spawned by our Launcher: ask the kernel to SIGKILL this process when the launcher
-/// dies, then make sure it has not died already (the race between posix_spawn and prctl: if the
-/// parent died first we have been re-parented and kill ourselves). Does nothing in a process
-/// that was not spawned by our Launcher (no TRAINLOOP_LAUNCHER_PID). Idempotent; never throws.
+/// In a rank spawned by our Launcher: ask the kernel to SIGKILL this process when its parent
+/// dies, then make sure the launcher has not died already (the race between posix_spawn and
+/// prctl: if it died first we have been re-parented and kill ourselves). A process the rank
+/// started in turn (it inherits the variables) has another parent but a live launcher, and
+/// lives on. Does nothing in a process that was not spawned by our Launcher (no
+/// TRAINLOOP_LAUNCHER_PID). Idempotent; never throws.
 inline void die_with_parent() noexcept {
   const char* text = std::getenv(env_names::launcher_pid);
   if (text == nullptr || *text == '\0') return;
@@ -47,7 +50,8 @@ inline void die_with_parent() noexcept {
   const long launcher_pid = std::strtol(text, &end, 10);
   if (end == text || *end != '\0' || launcher_pid <= 0) return;
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (::getppid() != static_cast<pid_t>(launcher_pid)) ::kill(::getpid(), SIGKILL);
+  const bool launcher_gone = ::kill(static_cast<pid_t>(launcher_pid), 0) != 0 && errno == ESRCH;
+  if (::getppid() != static_cast<pid_t>(launcher_pid) && launcher_gone) ::kill(::getpid(), SIGKILL);
 }
 
 namespace detail {
