@@ -2,6 +2,8 @@
 // the final test accuracy. The training mode is chosen at run time: --gpu-mode single|dp|ddp.
 //
 //   fashion_mnist --epochs 4 --batch-size 64 --device cpu --data /usr/share/datasets/fashion-mnist
+//   fashion_mnist --epochs 4 --checkpoint-dir runs/fmnist            # a checkpoint after every epoch
+//   fashion_mnist --epochs 4 --checkpoint-dir runs/fmnist --resume   # continue a killed run
 
 #include "fashion_net.hpp"
 
@@ -9,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <iostream>
 
 int main(int argc, char** argv) {
@@ -24,6 +27,9 @@ int main(int argc, char** argv) {
   std::string history_csv;
   int procs = 0;
   int replicas = 2;
+  std::string checkpoint_dir;
+  bool resume = false;
+  int64_t train_samples = 0;
   app.add_option("--gpu-mode", gpu_mode, "single, dp or ddp");
   app.add_option("--epochs", epochs, "training epochs")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "samples per batch (per rank in ddp)");
@@ -35,6 +41,11 @@ int main(int argc, char** argv) {
   app.add_option("--history", history_csv, "write the per-epoch history to this CSV file");
   app.add_option("--procs", procs, "ddp: processes on this machine (0: one per GPU, or 2 on the CPU)");
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");
+  app.add_option("--checkpoint-dir", checkpoint_dir,
+                 "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
+  app.add_flag("--resume", resume, "continue from the newest checkpoint in --checkpoint-dir (if there is one)");
+  app.add_option("--train-samples", train_samples, "train on the first N training images only (0: all 60000)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -53,9 +64,18 @@ int main(int argc, char** argv) {
           }
         },
         mode.get());
+    if (resume && checkpoint_dir.empty()) {
+      std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
+      return 2;
+    }
     using trainloop::data::FashionMNIST;
-    FashionMNIST train(FashionMNIST::Split::Train, data_dir);
+    FashionMNIST full_train(FashionMNIST::Split::Train, data_dir);
     FashionMNIST test(FashionMNIST::Split::Test, data_dir);
+    trainloop::data::AnyDataset<> train = full_train;
+    if (train_samples > 0) {
+      const int64_t n = std::min<int64_t>(train_samples, full_train.inputs().size(0));
+      train = trainloop::data::TensorDataset(full_train.inputs().narrow(0, 0, n), full_train.targets().narrow(0, 0, n), 10);
+    }
 
     torch::manual_seed(seed);
     FashionNet net;
@@ -68,10 +88,19 @@ int main(int argc, char** argv) {
 
     trainloop::CallbackList callbacks{std::make_shared<trainloop::ProgressBar>()};
     if (!history_csv.empty()) callbacks.push_back(std::make_shared<trainloop::CsvLogger>(history_csv));
-    auto history = loop.fit(epochs, callbacks);
+    if (!checkpoint_dir.empty()) {
+      callbacks.push_back(std::make_shared<trainloop::ModelCheckpoint>(trainloop::ModelCheckpointOptions(checkpoint_dir)
+                                                                          .every_n_epochs(1)
+                                                                          .keep_last(1)
+                                                                          .monitor("val_accuracy")
+                                                                          .mode(trainloop::MonitorMode::Max)
+                                                                          .keep_best(1)));
+    }
+    // With --resume, a run killed in epoch 3 of 4 finishes epochs 3 and 4 from the newest checkpoint.
+    auto history = loop.fit(epochs, callbacks, resume ? "last" : "");
 
     double seconds = 0;
-    for (const auto& epoch : history.epochs) seconds += epoch.seconds;
+    for (const auto& epoch : history.epochs) seconds += epoch.seconds;  // resumed epochs included
     const auto& result = *history.last().validation;
     std::cout << mode.name() << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss << ", "
               << result.samples << " test images) after " << history.epochs.size() << " epochs, "

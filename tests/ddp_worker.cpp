@@ -5,7 +5,9 @@
 //
 // Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
 // exit0, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
-// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops.
+// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, ckpt (checkpoints, resume
+// and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
+// TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -70,6 +72,34 @@ struct OomOnRank1Impl : MlpImpl {
 };
 TORCH_MODULE(OomOnRank1);
 
+/// Counts optimizer steps, and keeps the count in checkpoints (and across spawned fits).
+struct StepCounter : tl::Callback {
+  int64_t steps = 0;
+  void on_step_end(tl::TrainState&) override { ++steps; }
+  void save_state(torch::serialize::OutputArchive& archive) const override { archive.write("steps", c10::IValue(steps)); }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    c10::IValue value;
+    archive.read("steps", value);
+    steps = value.toInt();
+  }
+};
+
+/// SIGKILLs rank 1 at a global step, on the first attempt only (not after a restart).
+struct KillRank1AtStep : tl::Callback {
+  int64_t step;
+  explicit KillRank1AtStep(int64_t s) : step(s) {}
+  void on_step_end(tl::TrainState& state) override {
+    const bool restarted = std::atoi(std::getenv("TRAINLOOP_RESTART_COUNT") ? std::getenv("TRAINLOOP_RESTART_COUNT") : "0") > 0 ||
+                           std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::getenv("TORCHELASTIC_RESTART_COUNT") : "0") > 0;
+    if (own_rank() == 1 && !restarted && state.global_step == step) std::raise(SIGKILL);
+  }
+};
+
+int64_t env_number(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::atoll(value) : fallback;
+}
+
 /// A program's own SIGCHLD handler that reaps every child (some servers have one).
 void reap_every_child(int) {
   while (::waitpid(-1, nullptr, WNOHANG) > 0) {
@@ -129,6 +159,22 @@ int main(int argc, char** argv) {
       callbacks.push_back(std::make_shared<FailOnRank>(scenario));
       epochs = 3;
       mode.timeout(std::chrono::seconds(60));  // failure must be caught by the launcher, not a timeout
+    }
+    std::string resume;
+    std::shared_ptr<StepCounter> counter;
+    if (scenario == "ckpt") {
+      // Checkpoints, resume and restarts, driven by TL_TEST_* variables (see test_distributed).
+      epochs = env_number("TL_TEST_EPOCHS", 2);
+      options.shuffle(true);
+      callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(
+          tl::ModelCheckpointOptions(std::getenv("TL_TEST_CKPT_DIR")).every_n_steps(env_number("TL_TEST_EVERY_STEPS", 0)).keep_last(0)));
+      if (const int64_t kill_at = env_number("TL_TEST_KILL_AT_STEP", 0)) callbacks.push_back(std::make_shared<KillRank1AtStep>(kill_at));
+      mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
+      resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
+    }
+    if (scenario == "twofits") {
+      counter = std::make_shared<StepCounter>();
+      callbacks.push_back(counter);
     }
     if (scenario == "long") {
       callbacks.push_back(std::make_shared<SlowAndVisible>(out_dir));
@@ -202,7 +248,7 @@ int main(int argc, char** argv) {
                                                                    torch::nn::CrossEntropyLoss(), options, mode);
     tl::EvalResult before;
     if (scenario == "lr_between_fits") before = loop.evaluate(val);
-    auto history = loop.fit(epochs, callbacks);
+    auto history = loop.fit(epochs, callbacks, resume);
     int lowered = 0;
     if (scenario == "twofits" || scenario == "lr_between_fits") {
       // A second fit() continues from the first one's weights and optimizer state. The ranks of
@@ -213,9 +259,7 @@ int main(int argc, char** argv) {
         }
         lowered = 1;
       }
-      const auto first_steps = history.last().steps;
-      history = loop.fit(epochs, callbacks);
-      history.total_steps += first_steps;
+      history = loop.fit(epochs, callbacks);  // continues: epoch 2, and the History of both
     }
 
     // Only one process gets here per job: the launching one (or each rank, when joined by torchrun).
@@ -232,7 +276,8 @@ int main(int argc, char** argv) {
           << history.last().validation->loss << "\nval_accuracy " << history.last().validation->metrics.at("accuracy")
           << "\nval_samples " << history.last().validation->samples << "\nlocal_val_loss " << check.loss
           << "\nlocal_val_accuracy " << check.metrics.at("accuracy") << "\ntrain_samples " << history.last().samples
-          << "\nlowered " << lowered << "\nlr " << optimizer.param_groups()[0].options().get_lr() << "\n";
+          << "\nlowered " << lowered << "\nlr " << optimizer.param_groups()[0].options().get_lr()
+          << "\nlast_epoch " << history.last().epoch << "\ncounted " << (counter ? counter->steps : -1) << "\n";
     }
     return 0;
   } catch (const c10::OutOfMemoryError& e) {

@@ -32,9 +32,10 @@ struct WorkerRun {
 };
 
 /// Runs ddp_worker (which spawns its ranks) and collects its output and result file.
-WorkerRun run_worker(const std::string& scenario, int world, int port = 0, const std::string& env = "") {
+WorkerRun run_worker(const std::string& scenario, int world, int port = 0, const std::string& env = "",
+                     const std::string& name = "") {
   WorkerRun run;
-  run.dir = fs::temp_directory_path() / ("trainloop_ddp_" + scenario + "_" + std::to_string(world) + "_" +
+  run.dir = fs::temp_directory_path() / ("trainloop_ddp_" + scenario + name + "_" + std::to_string(world) + "_" +
                                          std::to_string(::getpid()));
   fs::remove_all(run.dir);
   fs::create_directories(run.dir / "tmp");
@@ -98,6 +99,10 @@ BOOST_AUTO_TEST_CASE(a_second_fit_continues_from_the_first) {
   BOOST_TEST_MESSAGE("two fits: max |ddp - single| = " << difference);
   BOOST_TEST(difference <= 1e-5);
   BOOST_TEST(run.result["steps"] == 10);
+  BOOST_TEST(run.result["epochs"] == 2);      // the History of both fits
+  BOOST_TEST(run.result["last_epoch"] == 2);  // the second fit trained epoch 2, not epoch 1 again
+  // The caller's callback object holds rank 0's state: it counted the steps of both fits.
+  BOOST_TEST(run.result["counted"] == 10);
   fs::remove_all(run.dir);
 }
 
@@ -193,9 +198,9 @@ namespace {
 
 /// Runs `DDP_WORKER_PATH scenario` as `world` ranks started by hand with torchrun's variables;
 /// returns the combined output once all ended.
-std::string run_torchrun_style(const std::string& scenario, int world, const fs::path& dir) {
+std::string run_torchrun_style(const std::string& scenario, int world, const fs::path& dir, const std::string& env = "") {
   const int port = tl::dist::find_free_port();
-  std::string common = "WORLD_SIZE=" + std::to_string(world) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
+  std::string common = env + " WORLD_SIZE=" + std::to_string(world) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
                        " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " ";
   std::string command = "(";
   for (int rank = 0; rank < world; ++rank) {
@@ -524,4 +529,115 @@ BOOST_AUTO_TEST_CASE(a_timeout_of_zero_is_rejected_before_any_rank_starts) {
   }
   BOOST_TEST(message.find("timeout is 0 ms") != std::string::npos, message);
   BOOST_TEST(leftover_workers() == 0);
+}
+
+// ---- Checkpoints, resume and restarts under DDP -----------------------------------------------
+
+namespace {
+
+/// ddp_worker's "ckpt" scenario with checkpoints in `ckpt_dir` and the given TL_TEST_* settings.
+WorkerRun run_ckpt(const std::string& name, const fs::path& ckpt_dir, const std::string& settings) {
+  return run_worker("ckpt", 2, 0, "TL_TEST_CKPT_DIR=" + ckpt_dir.string() + " " + settings, "_" + name);
+}
+
+/// One process with batch 8 and shuffling: what the "ckpt" scenario's 2 ranks of batch 4 do.
+struct ShuffledReference {
+  Mlp net;
+  torch::optim::SGD optimizer;
+  tl::TrainLoop<Mlp> loop;
+  ShuffledReference()
+      : net((torch::manual_seed(5), Mlp())),
+        optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+        loop(net, make_data(40, 1), make_data(40, 2), optimizer, torch::nn::CrossEntropyLoss(),
+             tl::TrainLoopOptions().batch_size(8).metrics({std::make_shared<tl::Accuracy>()})) {}
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(ddp_k_epochs_then_resume_then_k_epochs_equals_2k_bit_for_bit) {
+  auto dir = fresh_dir("ckpt_resume");
+  auto full = run_ckpt("full", dir / "full", "TL_TEST_EPOCHS=4");
+  BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+  auto first = run_ckpt("first", dir / "split", "TL_TEST_EPOCHS=2");
+  BOOST_REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  auto second = run_ckpt("second", dir / "split", "TL_TEST_EPOCHS=2 TL_TEST_RESUME=last");
+  BOOST_REQUIRE_MESSAGE(second.exit_code == 0, second.output);
+  BOOST_TEST(torch::equal(load_params((second.dir / "params.pt").string()), load_params((full.dir / "params.pt").string())));
+  BOOST_TEST(second.result["epochs"] == 4);
+  BOOST_TEST(second.result["val_loss"] == full.result["val_loss"]);
+  for (auto* run : {&full, &first, &second}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_rank_killed_mid_training_restarts_from_the_newest_checkpoint_and_ends_as_if_uninterrupted) {
+  auto dir = fresh_dir("ckpt_restart");
+  auto full = run_ckpt("full", dir / "full", "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2");
+  BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+  // 5 steps per epoch: step 7 is inside epoch 2, the newest checkpoint before it is step 6.
+  auto killed = run_ckpt("killed", dir / "killed",
+                         "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_KILL_AT_STEP=7 TL_TEST_MAX_RESTARTS=1");
+  BOOST_TEST_MESSAGE(killed.output);
+  BOOST_REQUIRE_MESSAGE(killed.exit_code == 0, killed.output);
+  BOOST_TEST(killed.output.find("restarting all ranks from the newest checkpoint (restart 1 of at most 1)") != std::string::npos);
+  BOOST_TEST(killed.output.find("resumed from") != std::string::npos);
+  BOOST_TEST(torch::equal(load_params((killed.dir / "params.pt").string()), load_params((full.dir / "params.pt").string())));
+  BOOST_TEST(killed.result["epochs"] == 3);
+  BOOST_TEST(leftover_workers() == 0);
+  // Without a restart left, the same failure ends the job.
+  auto no_restart = run_ckpt("no_restart", dir / "no_restart", "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_KILL_AT_STEP=7");
+  BOOST_TEST(no_restart.exit_code == 3);
+  BOOST_TEST(no_restart.output.find("RANK_FAILED rank=1") != std::string::npos);
+  for (auto* run : {&full, &killed, &no_restart}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(torchrun_restarted_ranks_resume_from_last_by_themselves) {
+  auto dir = fresh_dir("ckpt_torchrun");
+  auto reference_dir = dir / "reference";
+  fs::create_directories(reference_dir);
+  const std::string common = "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_CKPT_DIR=" + (dir / "ckpt").string() + " ";
+  // First attempt: rank 1 is killed at step 7; rank 0 fails as its peer vanished.
+  auto first = run_torchrun_style("ckpt", 2, dir, common + "TL_TEST_KILL_AT_STEP=7 TORCHELASTIC_RESTART_COUNT=0");
+  BOOST_TEST_MESSAGE(first);
+  BOOST_REQUIRE(fs::exists(dir / "ckpt" / "last.ckpt"));
+  fs::remove(dir / "params0.pt");
+  // torchrun's restart: the same command with TORCHELASTIC_RESTART_COUNT=1 and nothing else.
+  auto second = run_torchrun_style("ckpt", 2, dir, common + "TORCHELASTIC_RESTART_COUNT=1");
+  BOOST_TEST_MESSAGE(second);
+  BOOST_REQUIRE(fs::exists(dir / "params0.pt"));
+  auto uninterrupted = run_torchrun_style("ckpt", 2, reference_dir,
+                                          "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_CKPT_DIR=" + (dir / "ckpt_ref").string());
+  BOOST_TEST(torch::equal(load_params((dir / "params0.pt").string()), load_params((reference_dir / "params0.pt").string())));
+  BOOST_TEST(torch::equal(load_params((dir / "params1.pt").string()), load_params((dir / "params0.pt").string())));
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_ddp_checkpoint_resumes_in_one_process_and_the_other_way) {
+  auto dir = fresh_dir("ckpt_cross");
+  // The same training as one process with batch 8 (2 ranks x 4 see the same samples per step).
+  ShuffledReference reference;
+  reference.loop.fit(2);
+  const auto expected = flat_params(reference.net->parameters());
+
+  // DDP writes after epoch 1; one process resumes and trains epoch 2.
+  auto ddp = run_ckpt("ddp", dir / "from_ddp", "TL_TEST_EPOCHS=1");
+  BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
+  ShuffledReference single_resumed;
+  single_resumed.loop.fit(1, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir / "from_ddp"))}, "last");
+  const double ddp_to_single = (flat_params(single_resumed.net->parameters()) - expected).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("ddp checkpoint resumed in one process: max |diff| = " << ddp_to_single);
+  BOOST_TEST(ddp_to_single <= 1e-5);
+  BOOST_TEST(single_resumed.loop.history().epochs.size() == 2u);
+
+  // One process writes after epoch 1; DDP resumes and trains epoch 2.
+  ShuffledReference single;
+  single.loop.fit(1, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir / "from_single"))});
+  auto resumed = run_ckpt("resumed", dir / "from_single", "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
+  BOOST_REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  const double single_to_ddp = (load_params((resumed.dir / "params.pt").string()) - expected).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("one-process checkpoint resumed by DDP: max |diff| = " << single_to_ddp);
+  BOOST_TEST(single_to_ddp <= 1e-5);
+  BOOST_TEST(resumed.result["epochs"] == 2);
+  for (auto* run : {&ddp, &resumed}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
 }

@@ -5,7 +5,10 @@
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
+#include <trainloop/detail/fit_actions.hpp>
 #include <trainloop/detail/fit_runner.hpp>
+#include <trainloop/detail/training_progress.hpp>
+#include <trainloop/version.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
@@ -14,7 +17,9 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <filesystem>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -70,21 +75,56 @@ class TrainLoop {
     TRAINLOOP_CHECK(static_cast<bool>(criterion_), "no criterion was given");
   }
 
-  /// @brief Trains for `epochs` epochs; returns one record per epoch.
-  History fit(int64_t epochs, const CallbackList& callbacks = {}) { return fit(FitLength::epochs(epochs), callbacks); }
+  /// @brief Trains for `epochs` more epochs; see fit(const FitLength&, ...).
+  History fit(int64_t epochs, const CallbackList& callbacks = {}, const std::string& resume = "") {
+    return fit(FitLength::epochs(epochs), callbacks, resume);
+  }
 
-  /// @brief Trains for a number of epochs or an exact number of optimizer steps.
-  History fit(const FitLength& length, const CallbackList& callbacks = {}) {
+  /// @brief Trains for a number of epochs or an exact number of optimizer steps, from where the
+  /// loop stands: a second fit() continues the epoch count, the sample order and the random
+  /// stream (epoch 3 after two epochs; inside an epoch if the last fit stopped there).
+  /// @param resume "" to continue from the loop as it is; "last" to resume from the newest
+  ///        checkpoint of the ModelCheckpoint among `callbacks` (trying older ones when it is
+  ///        unreadable, starting fresh when there is none yet); a checkpoint file or directory.
+  ///        A checkpoint written inside a fit() call that did not finish continues that call to
+  ///        its end (so rerunning a killed program finishes its fit); one written after its end
+  ///        starts a new call of `length`. After a restart (max_restarts, torchrun) "last" is
+  ///        implied when a ModelCheckpoint is given.
+  /// @return the History of every epoch so far (earlier fits and resumed checkpoints included).
+  History fit(const FitLength& length, const CallbackList& callbacks = {}, const std::string& resume = "") {
+    const detail::ResumeSpec spec = detail::resolve_resume(resume, callbacks);
     return with_prepared_engine([&](auto& mode_engine) {
-      auto train = [&] { return runner().fit(mode_engine, length, callbacks); };
+      detail::FitActions actions;
+      actions.train = [&](const detail::ResumeSpec& from) { return runner().fit(mode_engine, length, callbacks, from); };
+      actions.save = [&](const std::filesystem::path& path, bool writes) {
+        runner().save_checkpoint(mode_engine, detail::keyed_callbacks(callbacks), path, writes);
+      };
+      actions.load = [&](const std::filesystem::path& path) {
+        runner().load_checkpoint(mode_engine, path, detail::keyed_callbacks(callbacks), /*restore_rng=*/true);
+        return progress_.visible_history();
+      };
       // A mode may wrap the loop: DDP launches ranks here, or ends a spawned rank afterwards.
-      if constexpr (requires { mode_engine.run_fit(optimizer_, train); }) {
-        return mode_engine.run_fit(optimizer_, train);
+      if constexpr (requires { mode_engine.run_fit(actions, spec); }) {
+        return mode_engine.run_fit(actions, spec);
       } else {
-        return train();
+        return actions.train(spec);
       }
     });
   }
+
+  /// @brief Writes a checkpoint of the loop as it stands (model, optimizer, progress, random
+  /// streams) to `path`, like ModelCheckpoint does during fit(). Under DDP every rank calls it.
+  void save_checkpoint(const std::filesystem::path& path) {
+    with_prepared_engine(
+        [&](auto& mode_engine) { runner().save_checkpoint(mode_engine, {}, path, mode_engine.is_main()); });
+  }
+  /// @brief Loads a checkpoint into the loop: the next fit() continues from it.
+  void load_checkpoint(const std::filesystem::path& path) {
+    with_prepared_engine(
+        [&](auto& mode_engine) { runner().load_checkpoint(mode_engine, path, {}, /*restore_rng=*/true); });
+  }
+  /// @brief Every epoch trained so far by this loop (all fits, resumed checkpoints included).
+  History history() const { return progress_.visible_history(); }
 
   /// @brief Loss and the options' metrics over `dataset`, every sample counted once. Under DDP
   /// every rank gets the whole dataset's result (each evaluates its shard; sums are reduced),
@@ -143,7 +183,15 @@ class TrainLoop {
     });
   }
   detail::FitRunner<module_type, Batch> runner() {
-    return detail::FitRunner<module_type, Batch>(handle_.module(), train_, validation_, optimizer_, criterion_, options_);
+    detail::RunIdentity identity;
+    if constexpr (requires { mode_.name(); }) {
+      identity.mode = mode_.name();
+    } else {
+      identity.mode = GpuMode::name;
+    }
+    identity.trainloop_version = TRAINLOOP_VERSION_STRING;
+    return detail::FitRunner<module_type, Batch>(handle_.module(), train_, validation_, optimizer_, criterion_, options_,
+                                                 progress_, identity);
   }
 
   detail::ModelHandle<Model> handle_;
@@ -154,6 +202,7 @@ class TrainLoop {
   TrainLoopOptions options_;
   GpuMode mode_;
   std::optional<engine_type> engine_;
+  detail::TrainingProgress progress_;  // where training stands, over every fit() of this loop
 };
 
 }  // namespace trainloop

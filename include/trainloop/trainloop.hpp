@@ -2,17 +2,11 @@
 /// @file
 /// @brief The umbrella header: everything a trainloop user needs.
 
-/// Major version: changes break the API.
-#define TRAINLOOP_VERSION_MAJOR 0
-/// Minor version: additions.
-#define TRAINLOOP_VERSION_MINOR 1
-/// Patch version: fixes.
-#define TRAINLOOP_VERSION_PATCH 0
-/// The version as one number: major * 10000 + minor * 100 + patch.
-#define TRAINLOOP_VERSION (TRAINLOOP_VERSION_MAJOR * 10000 + TRAINLOOP_VERSION_MINOR * 100 + TRAINLOOP_VERSION_PATCH)
+#include <trainloop/version.hpp>
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/callbacks/csv_logger.hpp>
+#include <trainloop/callbacks/model_checkpoint.hpp>
 #include <trainloop/callbacks/progress_bar.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/fashion_mnist.hpp>

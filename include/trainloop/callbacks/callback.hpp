@@ -1,59 +1,112 @@
 #pragma once
 /// @file
-/// @brief The event interface of the training loop.
+/// @brief The event interface of the training loop: every hook, and the context each one sees.
 ///
 /// Every hook, in the order the loop calls it:
 ///
-/// | hook                  | when                                                        | state fields valid                          |
-/// |-----------------------|-------------------------------------------------------------|---------------------------------------------|
-/// | on_fit_begin          | once, after the mode is prepared, before the first epoch    | planned_epochs, planned_steps, batches_per_epoch |
-/// | on_epoch_begin        | before the first batch of each epoch                        | + epoch                                     |
-/// | on_batch_end          | after each training micro-batch's forward and backward      | + batch, step, epoch_samples, running_loss() |
-/// | on_step_end           | after each optimizer step (once per accumulation window)    | + step                                      |
-/// | on_validation_end     | after the validation pass of an epoch                       | + the EvalResult                            |
-/// | on_epoch_end          | after the epoch, with its complete record                   | + the EpochRecord                           |
-/// | on_fit_end            | once, after the last epoch (also after an early stop)       | history                                     |
+/// | hook                       | when                                                                    |
+/// |----------------------------|-------------------------------------------------------------------------|
+/// | on_fit_begin               | once, after the mode is prepared (and a checkpoint resumed), before the first epoch |
+/// | on_epoch_begin             | before the first batch of each epoch (also a resumed, partly done one)   |
+/// | on_batch_end               | after each training micro-batch's forward and backward                  |
+/// | on_before_optimizer_step   | after the gradients are reduced across replicas/ranks and clipped, before the optimizer step |
+/// | on_step_end                | after each optimizer step (once per accumulation window)                |
+/// | on_validation_end          | after the validation pass of an epoch                                   |
+/// | on_epoch_end               | after the epoch, with its complete record                               |
+/// | on_fit_end                 | once, after the last epoch (also after an early stop)                   |
+/// | on_fit_finally             | once, always, last: also when training threw (with the exception)      |
+/// | save_state / load_state    | the callback's own state, written into every checkpoint and restored on resume |
 ///
-/// Every hook is optional (empty by default). Hooks run on every rank, so a callback may use
-/// collectives through the loop's mode; a callback whose hooks have side effects outside the
+/// Every hook is optional (empty by default). Hooks run on every rank, so a callback may take part
+/// in collectives (TrainState::any_rank); a callback whose hooks have side effects outside the
 /// process (printing, files) overrides main_process_only() to return true and is then called on
 /// the main process only — it never checks a rank itself.
-/// A callback asks training to stop with TrainState::request_stop(); the loop makes every rank
-/// agree at the end of the epoch (or step) before stopping, so no rank is left waiting.
+///
+/// Stopping: a callback calls TrainState::request_stop(); after every optimizer step the loop makes
+/// every rank agree (one small collective) and stops after that step, so no rank is left waiting.
+///
+/// State: a callback with state worth keeping (a best value, a counter, a learning-rate schedule's
+/// position) overrides save_state() and load_state(). Its state then travels in checkpoints and,
+/// with DistributedDataParallel in spawn mode, between your process and the ranks: the callback
+/// objects you pass to fit() hold rank 0's state when fit() returns.
 
 #include <trainloop/history.hpp>
 
+#include <torch/torch.h>
+
+#include <cxxabi.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 namespace trainloop {
 
-/// @brief The loop's progress, as callbacks see it.
+/// @brief What every hook sees: where training stands, the model and optimizer, this process's
+/// place in the job, and the loop's services (stop, agree, checkpoint).
 struct TrainState {
-  int64_t epoch = 0;              ///< current epoch, 1-based
-  int64_t planned_epochs = 0;     ///< epochs fit() will run (ceil of steps / batches when fitting by iterations)
-  int64_t batch = 0;              ///< micro-batches done in this epoch
+  // ---- progress -------------------------------------------------------------------------
+  int64_t epoch = 0;              ///< current epoch, 1-based, counted over the loop's life (a second fit() continues)
+  int64_t first_epoch = 1;        ///< the first epoch of this fit()
+  int64_t planned_epochs = 0;     ///< the epoch this fit() ends with (when fitting by iterations: the epoch of its last step)
+  int64_t batch = 0;              ///< micro-batches done in this epoch on this process (a resumed epoch counts the earlier ones)
   int64_t batches_per_epoch = 0;  ///< micro-batches per epoch on this process
   int64_t step = 0;               ///< optimizer steps done in this fit()
-  int64_t planned_steps = 0;      ///< optimizer steps fit() will take in all
+  int64_t global_step = 0;        ///< optimizer steps over the loop's life (checkpoints resumed included)
+  int64_t planned_steps = 0;      ///< optimizer steps this fit() takes in all
   int64_t epoch_samples = 0;      ///< training samples processed in this epoch (this process x world size)
-  int64_t world_size = 1;         ///< number of ranks (1 for single device and DataParallel)
   double epoch_seconds = 0.0;     ///< seconds since the epoch began
   double fit_seconds = 0.0;       ///< seconds since fit() began
-  const History* history = nullptr;  ///< records of the epochs finished so far
+  const History* history = nullptr;  ///< records of the epochs finished so far (all fits)
+
+  // ---- the job ----------------------------------------------------------------------------
+  int64_t rank = 0;        ///< this process's rank (0 without DDP)
+  int64_t world_size = 1;  ///< number of ranks (1 for single device and DataParallel)
+  bool is_main = true;     ///< true on the process that prints and writes files
+
+  // ---- the model ----------------------------------------------------------------------------
+  torch::nn::Module* model = nullptr;          ///< the model being trained (the unwrapped module)
+  torch::optim::Optimizer* optimizer = nullptr;  ///< its optimizer
+
   /// Mean training loss of this epoch so far on this process. Synchronises with the device:
   /// call it at display rate, not every batch.
   std::function<double()> running_loss;
+  /// Loss of the last micro-batch (this process's). Computed when called: a device
+  /// synchronisation then, none when unused.
+  std::function<double()> last_loss;
 
-  /// @brief Asks the loop to stop after the current epoch; every rank agrees first.
+  /// @brief The optimizer's learning rate per param group, now.
+  std::vector<double> learning_rates() const {
+    std::vector<double> rates;
+    if (optimizer == nullptr) return rates;
+    for (const auto& group : optimizer->param_groups()) rates.push_back(group.options().get_lr());
+    return rates;
+  }
+
+  // ---- services -------------------------------------------------------------------------------
+  /// @brief Asks the loop to stop after the current optimizer step; every rank agrees first.
   void request_stop(std::string reason) {
     stop_requested = true;
     stop_reason = std::move(reason);
   }
   bool stop_requested = false;  ///< set by request_stop()
   std::string stop_reason;      ///< the reason given to request_stop()
+
+  /// True on every rank if `flag` is true on any. A collective: every rank must call it at the
+  /// same point (from a hook that runs on every rank).
+  std::function<bool(bool)> any_rank;
+  /// Writes a checkpoint of everything needed to resume exactly (model, optimizer, callbacks'
+  /// states, progress, random number generators of every rank) to `path`: rank 0 writes it
+  /// atomically, every rank learns whether it worked. A collective, like any_rank.
+  /// @throws trainloop::Error on every rank when it could not be written (disk full, unwritable
+  ///         directory), naming the path.
+  std::function<void(const std::filesystem::path&)> save_checkpoint;
 };
 
 /// @brief Base class of callbacks; override the hooks you need (see the table in callback.hpp).
@@ -69,6 +122,9 @@ class Callback {
   virtual void on_epoch_begin(TrainState&) {}
   /// @brief After each training micro-batch (forward and backward done).
   virtual void on_batch_end(TrainState&) {}
+  /// @brief After the gradients are reduced (and clipped), just before the optimizer step: the
+  /// place to inspect or change gradients, or the learning rate of this step.
+  virtual void on_before_optimizer_step(TrainState&) {}
   /// @brief After each optimizer step.
   virtual void on_step_end(TrainState&) {}
   /// @brief After the validation pass of an epoch.
@@ -77,6 +133,22 @@ class Callback {
   virtual void on_epoch_end(TrainState&, const EpochRecord&) {}
   /// @brief Once, after the last epoch.
   virtual void on_fit_end(TrainState&, const History&) {}
+  /// @brief Once, always, after everything else: `error` holds the exception training threw
+  /// (it is rethrown after every callback's on_fit_finally ran), or is null.
+  virtual void on_fit_finally(TrainState&, const std::exception_ptr& /*error*/) {}
+
+  /// @brief Writes this callback's state (what it needs to continue exactly after a resume).
+  virtual void save_state(torch::serialize::OutputArchive&) const {}
+  /// @brief Restores what save_state() wrote.
+  virtual void load_state(torch::serialize::InputArchive&) {}
+  /// @brief The name this callback's state is stored under: its class name by default. The
+  /// loop appends "#2", "#3"... to repeated names, in the order the callbacks were given.
+  virtual std::string state_key() const {
+    int status = 0;
+    std::unique_ptr<char, void (*)(void*)> readable(
+        abi::__cxa_demangle(typeid(*this).name(), nullptr, nullptr, &status), std::free);
+    return status == 0 && readable ? std::string(readable.get()) : std::string(typeid(*this).name());
+  }
 };
 
 /// @brief The callbacks given to one fit() call.

@@ -82,8 +82,8 @@ class ProgressBar : public Callback {
   }
   /// Time left for the whole fit, from the pace of the micro-batches done so far.
   static double time_left(const TrainState& state) {
-    const int64_t done = (state.epoch - 1) * state.batches_per_epoch + state.batch;
-    const int64_t total = state.planned_epochs * state.batches_per_epoch;
+    const int64_t done = (state.epoch - state.first_epoch) * state.batches_per_epoch + state.batch;
+    const int64_t total = (state.planned_epochs - state.first_epoch + 1) * state.batches_per_epoch;
     if (done <= 0) return 0.0;
     return state.fit_seconds / static_cast<double>(done) * static_cast<double>(std::max<int64_t>(total - done, 0));
   }

@@ -39,6 +39,11 @@ struct ShardSamplerOptions {
   TORCH_ARG(bool, pad_to_equal) = true;
   /// Drop the tail instead of padding: every rank gets floor(N / world) samples.
   TORCH_ARG(bool, drop_last) = false;
+  /// Positions of the epoch order already consumed (a resumed epoch): only positions from here
+  /// on are dealt, round-robin, padded (or cut) to equal shards as above. With the world size
+  /// that consumed them, rank r sees exactly the rest of its own shard; with another world size
+  /// the remaining samples are re-sharded.
+  TORCH_ARG(uint64_t, start_position) = 0;
 };
 
 }  // namespace trainloop::data
@@ -116,15 +121,17 @@ class ShardSampler {
 
   /// @brief How many indices indices() returns on this rank (without building them).
   size_t num_samples() const noexcept {
+    const size_t begin = first_position() + rank_;
     const size_t end = order_length();
-    return end > rank_ ? (end - rank_ + world_size_ - 1) / world_size_ : 0;
+    return end > begin ? (end - begin + world_size_ - 1) / world_size_ : 0;
   }
 
   /// @brief This rank's sample indices for the current epoch, in visiting order.
   std::vector<size_t> indices() const {
     const size_t n = dataset_size_;
+    const size_t begin = first_position() + rank_;
     const auto positions =
-        ranges::views::iota(rank_, order_length()) | ranges::views::stride(world_size_);
+        ranges::views::iota(std::min(begin, order_length()), order_length()) | ranges::views::stride(world_size_);
     if (!options_.shuffle()) {
       // Padding repeats the start of the order, hence the wrap-around.
       return positions | ranges::views::transform([n](size_t p) { return p % n; }) |
@@ -141,11 +148,18 @@ class ShardSampler {
   const ShardSamplerOptions& options() const noexcept { return options_; }  ///< as given
 
  private:
-  /// Length of the epoch order after padding or dropping: the positions that are dealt out.
+  /// The first position dealt out (positions before it were consumed already).
+  size_t first_position() const noexcept {
+    return static_cast<size_t>(std::min<uint64_t>(options_.start_position(), dataset_size_));
+  }
+  /// End of the positions dealt out, after padding or dropping the remaining ones to a
+  /// multiple of the world size.
   size_t order_length() const noexcept {
-    if (options_.drop_last()) return dataset_size_ / world_size_ * world_size_;
+    const size_t start = first_position();
+    const size_t remaining = dataset_size_ - start;
+    if (options_.drop_last()) return start + remaining / world_size_ * world_size_;
     if (options_.pad_to_equal()) {
-      return (dataset_size_ + world_size_ - 1) / world_size_ * world_size_;
+      return start + (remaining + world_size_ - 1) / world_size_ * world_size_;
     }
     return dataset_size_;
   }

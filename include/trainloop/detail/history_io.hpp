@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -16,7 +17,8 @@
 namespace trainloop::detail {
 
 /// One line per epoch: `key value` pairs separated by tabs; metric names never hold tabs.
-inline void write_history(const History& history, const std::filesystem::path& path) {
+/// The History as text (one line per epoch, see the file comment).
+inline std::string history_to_text(const History& history) {
   std::ostringstream out;
   out << std::setprecision(std::numeric_limits<double>::max_digits10);
   out << "total_steps\t" << history.total_steps << "\tstop_reason\t" << history.stop_reason << '\n';
@@ -30,13 +32,17 @@ inline void write_history(const History& history, const std::filesystem::path& p
     }
     out << '\n';
   }
-  write_file_atomically(path, out.str(), "the training history");
+  return out.str();
 }
 
-/// Reads what write_history() wrote.
-inline History read_history(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  TRAINLOOP_CHECK(in.good(), "cannot read the training history from ", path.string());
+/// Writes history_to_text() to `path`, atomically.
+inline void write_history(const History& history, const std::filesystem::path& path) {
+  write_file_atomically(path, history_to_text(history), "the training history");
+}
+
+/// Parses what history_to_text() wrote.
+inline History history_from_text(const std::string& text) {
+  std::istringstream in(text);
   History history;
   std::string line;
   while (std::getline(in, line)) {
@@ -61,6 +67,13 @@ inline History read_history(const std::filesystem::path& path) {
     if (is_epoch) history.epochs.push_back(std::move(record));
   }
   return history;
+}
+
+/// Reads what write_history() wrote.
+inline History read_history(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  TRAINLOOP_CHECK(in.good(), "cannot read the training history from ", path.string());
+  return history_from_text(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
 }
 
 }  // namespace trainloop::detail

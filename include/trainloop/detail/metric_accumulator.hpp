@@ -49,6 +49,16 @@ class MetricAccumulator {
     }
   }
 
+  /// Continues from totals packed by packed_totals() (a resumed epoch): sums, count and all.
+  void restore(const torch::Tensor& packed) {
+    totals_.copy_(packed.to(device_, torch::kFloat64).reshape({-1}));
+    samples_ = static_cast<int64_t>(packed.to(torch::kCPU)[1].item<double>());
+    totals_[1].fill_(0.0);  // the count lives in samples_ until packed_totals()
+  }
+
+  /// Number of float64 values packed_totals() returns.
+  int64_t width() const { return totals_.numel(); }
+
   /// Samples added so far on this process (host-side count, no synchronisation).
   int64_t local_samples() const { return samples_; }
 

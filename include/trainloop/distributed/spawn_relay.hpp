@@ -3,25 +3,25 @@
 /// @brief DistributedDataParallel in a plain program: fit() re-executes the program once per
 /// rank and relays the model, the optimizer and the History between the caller and its ranks.
 ///
-/// The launching process (the caller) numbers its DDP fit() calls 1, 2, ... For call k it saves
-/// the model and optimizer ("initial"), starts the ranks with TRAINLOOP_FIT_INDEX=k, waits, and
-/// loads the trained state back into the caller's model and optimizer. A rank runs the program
-/// from the top: it passes calls 1..k-1 (each returns the History the caller got, and leaves the
-/// model and optimizer as the caller had them right after that call, so code between fits sees
-/// in every rank what the caller saw), trains call k starting from "initial", writes the result,
-/// and ends; the rest of the program runs in the caller only.
+/// The launching process (the caller) numbers its DDP fit() calls 1, 2, ... For call k it writes
+/// a checkpoint of the loop ("initial.ckpt": model, optimizer, progress, callbacks' states),
+/// starts the ranks with TRAINLOOP_FIT_INDEX=k, waits, and loads the checkpoint rank 0 wrote at
+/// the end ("trained.ckpt") into the loop. A rank runs the program from the top: it passes calls
+/// 1..k-1 (each loads the state the caller had right after that call and returns its History,
+/// so code between fits sees in every rank what the caller saw), trains call k from
+/// "initial.ckpt", writes "trained.ckpt", and ends; the rest of the program runs in the caller.
 ///
 /// Files: a session directory per launching process ($TMPDIR/trainloop-session-\<pid\>-XXXXXX,
-/// removed when the process exits, or by the next launcher if it was killed) keeps the state and
-/// History after each call (fit<k>.*); each launch's run directory lives inside it.
+/// removed when the process exits, or by the next launcher if it was killed) keeps the state
+/// after each call (fit\<k\>.ckpt); each launch's run directory lives inside it.
 
 #include <trainloop/detail/error_context.hpp>
+#include <trainloop/detail/fit_actions.hpp>
 #include <trainloop/detail/history_io.hpp>
 #include <trainloop/distributed/launcher.hpp>
 #include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/distributed/run_directory.hpp>
 #include <trainloop/distributed/spawned_rank.hpp>
-#include <trainloop/distributed/state_transfer.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/history.hpp>
 
@@ -47,6 +47,7 @@ namespace trainloop::dist {
 namespace env_names {
 inline constexpr const char* fit_index = "TRAINLOOP_FIT_INDEX";      ///< the DDP fit() call a spawned rank trains
 inline constexpr const char* session_dir = "TRAINLOOP_SESSION_DIR";  ///< the launching process's session directory
+inline constexpr const char* restart_count = "TRAINLOOP_RESTART_COUNT";  ///< relaunches so far (0 on the first)
 }  // namespace env_names
 
 namespace detail {
@@ -88,6 +89,10 @@ inline int next_fit_index() {
 }
 
 inline std::string fit_state_name(int fit_index) { return "fit" + std::to_string(fit_index); }
+/// The loop's state after DDP fit() call `fit_index`, kept in the session for later launches.
+inline std::filesystem::path fit_checkpoint_path(const std::filesystem::path& session, int fit_index) {
+  return session / (fit_state_name(fit_index) + ".ckpt");
+}
 
 /// Renames `from` to `to`. @throws trainloop::Error naming both.
 inline void move_file(const std::filesystem::path& from, const std::filesystem::path& to) {
@@ -97,9 +102,6 @@ inline void move_file(const std::filesystem::path& from, const std::filesystem::
     throw Error(::trainloop::detail::concat("trainloop: cannot move ", from.string(), " to ", to.string(), ": ",
                                             error.message(), "; expected the session directory to be writable"));
   }
-}
-inline std::filesystem::path fit_history_path(const std::filesystem::path& dir, int fit_index) {
-  return dir / (fit_state_name(fit_index) + ".history.txt");
 }
 
 /// How a rank reports a failure: libtorch's message without its backtrace first, the complete
@@ -211,16 +213,22 @@ inline const bool rank_reports_uncaught_exceptions = [] {
 
 }  // namespace detail
 
-/// The launching side of DDP fit() call `fit_index`: starts the ranks (options from the mode),
-/// waits, loads the trained state into `module` and `optimizer`, and returns the History.
-/// @throws RankFailedError (or a libtorch error type, see rethrow_rank_failure) when a rank fails.
-inline History launch_spawned_fit(torch::nn::Module& module, torch::optim::Optimizer& optimizer, LaunchOptions options,
-                                  int fit_index) {
+/// Options of a spawned fit() beyond the launch itself.
+struct SpawnFitOptions {
+  int fit_index = 1;     ///< which DDP fit() call of the program this is (1, 2, ...)
+  int max_restarts = 0;  ///< relaunches after a rank failure (from the newest checkpoint)
+};
+
+/// The launching side of a DDP fit() call: writes the loop's state ("initial.ckpt"), starts the
+/// ranks (restarting them all, at most `max_restarts` times, when one fails), waits, and loads
+/// the state rank 0 wrote at the end ("trained.ckpt") into the loop, so the caller's model,
+/// optimizer, progress and callbacks are what training made of them.
+/// @throws RankFailedError (or a libtorch error type, see rethrow_rank_failure) when a rank
+///         fails and no restart is left.
+inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions, LaunchOptions options,
+                                  const SpawnFitOptions& spawn) {
   const auto session = detail::SpawnSession::instance().directory();
-  auto env = options.env();
-  env[env_names::fit_index] = std::to_string(fit_index);
-  env[env_names::session_dir] = session.string();
-  options.env(env).run_dir_parent(session.string()).require_completion(true);
+  const int fit_index = spawn.fit_index;
   // A failed call is recorded, so the ranks of a later call replay it (see replay_fit_failure).
   auto record_failure = [&](const std::exception& error) {
     try {
@@ -231,22 +239,31 @@ inline History launch_spawned_fit(torch::nn::Module& module, torch::optim::Optim
     }
   };
   try {
-    Launcher launcher(options);
-    const std::filesystem::path run_dir = launcher.run_dir();
-    save_training_state(module, optimizer, run_dir, "initial");
-    try {
-      launcher.launch();
-    } catch (const RankFailedError& failure) {
-      detail::rethrow_rank_failure(failure);
+    for (int attempt = 0;; ++attempt) {
+      auto env = options.env();
+      env[env_names::fit_index] = std::to_string(fit_index);
+      env[env_names::session_dir] = session.string();
+      env[env_names::restart_count] = std::to_string(attempt);
+      LaunchOptions attempt_options = options;
+      attempt_options.env(env).run_dir_parent(session.string()).require_completion(true);
+      Launcher launcher(attempt_options);
+      const std::filesystem::path run_dir = launcher.run_dir();
+      actions.save(run_dir / "initial.ckpt", true);
+      try {
+        launcher.launch();
+      } catch (const RankFailedError& failure) {
+        if (attempt < spawn.max_restarts) {
+          std::cerr << failure.what() << "\ntrainloop: restarting all ranks from the newest checkpoint (restart "
+                    << attempt + 1 << " of at most " << spawn.max_restarts << ")" << std::endl;
+          continue;
+        }
+        detail::rethrow_rank_failure(failure);
+      }
+      History history = actions.load(run_dir / "trained.ckpt");
+      // Kept for the ranks of later calls, which pass this one (see the file comment).
+      detail::move_file(run_dir / "trained.ckpt", detail::fit_checkpoint_path(session, fit_index));
+      return history;
     }
-    load_training_state(module, optimizer, run_dir, "trained");
-    History history = ::trainloop::detail::read_history(run_dir / "history.txt");
-    // Kept for the ranks of later calls, which pass this one (see the file comment).
-    const std::string name = detail::fit_state_name(fit_index);
-    detail::move_file(run_dir / "trained.model.pt", session / (name + ".model.pt"));
-    detail::move_file(run_dir / "trained.optimizer.pt", session / (name + ".optimizer.pt"));
-    detail::move_file(run_dir / "history.txt", detail::fit_history_path(session, fit_index));
-    return history;
   } catch (const RankFailedError& failure) {
     record_failure(failure);
     throw;
@@ -260,30 +277,33 @@ inline History launch_spawned_fit(torch::nn::Module& module, torch::optim::Optim
 }
 
 /// The rank side of DDP fit() call `fit_index` in a rank spawned by launch_spawned_fit():
-/// - an earlier call than the one this rank was started for: leaves `module` and `optimizer` as
-///   the caller had them after that call and returns its History;
-/// - the call this rank was started for: `train()` (which loads "initial" as it begins), hands
-///   the result to the launcher (local rank 0), waits for every rank, and ends the process.
-template <class Train, class Barrier>
-History run_spawned_rank_fit(const RankEnv& env, int fit_index, torch::nn::Module& module,
-                             torch::optim::Optimizer& optimizer, Train&& train, Barrier&& barrier) {
+/// - an earlier call than the one this rank was started for: loads the state the caller had
+///   after that call (or throws what it threw) and returns its History;
+/// - the call this rank was started for: trains from the caller's state ("initial.ckpt"), or
+///   from the checkpoint `resume` names (the same program asked for it in every process, or a
+///   restart implied "last"), writes the result for the launcher, and ends the process.
+template <class Barrier>
+History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloop::detail::FitActions& actions,
+                             const ::trainloop::detail::ResumeSpec& resume, Barrier&& barrier) {
   const int wanted = ::trainloop::dist::detail::env_int(env_names::fit_index, 1).value_or(1);
   const std::filesystem::path session = ::trainloop::dist::detail::env_string(env_names::session_dir).value_or("");
   if (fit_index < wanted) {
     if (std::filesystem::exists(detail::fit_failure_path(session, fit_index))) {
       detail::replay_fit_failure(detail::fit_failure_path(session, fit_index));
     }
-    load_training_state(module, optimizer, session, detail::fit_state_name(fit_index));
-    return ::trainloop::detail::read_history(detail::fit_history_path(session, fit_index));
+    return actions.load(detail::fit_checkpoint_path(session, fit_index));
   }
+  const std::filesystem::path run_dir = env.run_dir;
   const int status = run_reporting_failure(
       env,
       [&] {
-        History history = train();
-        if (env.local_rank == 0) {
-          save_training_state(module, optimizer, env.run_dir, "trained");
-          ::trainloop::detail::write_history(history, std::filesystem::path(env.run_dir) / "history.txt");
+        ::trainloop::detail::ResumeSpec from = resume;
+        if (from.candidates.empty()) {
+          from = ::trainloop::detail::ResumeSpec{{run_dir / "initial.ckpt"}, true, false, "", /*announce=*/false};
         }
+        actions.train(from);
+        // A collective; each node's local rank 0 writes it for its node's launcher.
+        actions.save(run_dir / "trained.ckpt", env.local_rank == 0);
         barrier();  // no rank leaves while another still needs it in a collective
       },
       &detail::describe_rank_exception);

@@ -20,7 +20,6 @@
 #include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/distributed/spawn_relay.hpp>
-#include <trainloop/distributed/state_transfer.hpp>
 #include <trainloop/distributed/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
@@ -86,6 +85,10 @@ struct DistributedDataParallel {
   TORCH_ARG(std::chrono::milliseconds, kill_grace_period) = std::chrono::seconds(3);
   /// Broadcast rank 0's buffers (BatchNorm running statistics) after every optimizer step.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Spawn mode: when a rank fails, stop the others and start all ranks again, at most this many
+  /// times; the restarted ranks resume from the newest checkpoint of the ModelCheckpoint given to
+  /// fit() (from the start of the fit() call when there is none yet).
+  TORCH_ARG(int, max_restarts) = 0;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief The device type ranks train on, after applying the default.
@@ -110,6 +113,7 @@ struct DistributedDataParallel {
                     " nodes needs an explicit master port (every node must use the same); got 0");
     TRAINLOOP_CHECK(timeout_.count() > 0, "timeout is ", timeout_.count(),
                     " ms; expected a positive limit for joining the group and for each collective");
+    TRAINLOOP_CHECK(max_restarts_ >= 0, "max_restarts is ", max_restarts_, "; expected 0 or more");
     TRAINLOOP_CHECK(kill_grace_period_.count() >= 0, "kill_grace_period is ", kill_grace_period_.count(),
                     " ms; expected 0 or more");
     TRAINLOOP_CHECK(first_bucket_cap_bytes_ > 0 && bucket_cap_bytes_ > 0, "bucket caps are ", first_bucket_cap_bytes_,
@@ -177,16 +181,11 @@ class DistributedEngine {
     dist::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
   }
 
-  /// Starts from the launching process's model and optimizer (a rank we spawned), makes every
-  /// rank hold rank 0's state, and attaches the gradient hooks for this fit only.
-  void begin_fit(torch::optim::Optimizer& optimizer) {
+  /// Makes every rank hold rank 0's state and attaches the gradient hooks for this fit only. (A
+  /// rank we spawned then loads the caller's state, "initial.ckpt", as the loop resumes from it.)
+  void begin_fit(torch::optim::Optimizer&) {
     TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
     prepare();
-    if (env_->source == dist::RankEnvSource::Trainloop) {
-      // Not this re-run's fresh model and optimizer: the caller's, as saved for this fit() call
-      // (loaded onto the module's device, so optimizer state lands next to its parameters).
-      dist::load_training_state(*module_, optimizer, env_->run_dir, "initial");
-    }
     dist::broadcast_module_state(*module_, *group_);
     // One rank: the local gradient is the average; reducing it copied and "all-reduced" every
     // gradient for nothing (measured on an H100, 1-rank NCCL, MLP 4096x4: 5.05 ms per step vs
@@ -231,16 +230,19 @@ class DistributedEngine {
 
   // ---- fit orchestration (called by TrainLoop::fit around the loop) ---------------------
 
-  /// Runs `train()` the way this process's role requires: launch ranks (distributed/spawn_relay.hpp),
+  /// Runs the loop the way this process's role requires: launch ranks (distributed/spawn_relay.hpp),
   /// join as a rank (torchrun, Slurm, Open MPI), or, in a rank we spawned, pass or train the
   /// matching fit() call.
-  template <class Train>
-  History run_fit(torch::optim::Optimizer& optimizer, Train&& train) {
+  History run_fit(const FitActions& actions, const ResumeSpec& resume) {
     const int fit_index = dist::detail::next_fit_index();
-    if (!env_) return dist::launch_spawned_fit(*module_, optimizer, launch_options(), fit_index);
-    if (env_->source != dist::RankEnvSource::Trainloop) return train();
-    return dist::run_spawned_rank_fit(*env_, fit_index, *module_, optimizer, std::forward<Train>(train),
-                                      [this] { barrier(); });
+    if (!env_) {
+      dist::SpawnFitOptions spawn;
+      spawn.fit_index = fit_index;
+      spawn.max_restarts = mode_.max_restarts();
+      return dist::launch_spawned_fit(actions, launch_options(), spawn);
+    }
+    if (env_->source != dist::RankEnvSource::Trainloop) return actions.train(resume);
+    return dist::run_spawned_rank_fit(*env_, fit_index, actions, resume, [this] { barrier(); });
   }
 
  private:

@@ -1,0 +1,99 @@
+#pragma once
+/// @file
+/// @brief evaluate() and predict() for every gpu_mode: each process runs its evaluation shard
+/// (every sample exactly once over all ranks); sums are reduced, predictions gathered in order.
+
+#include <trainloop/data/any_dataset.hpp>
+#include <trainloop/data/batch_loader.hpp>
+#include <trainloop/detail/metric_accumulator.hpp>
+#include <trainloop/detail/shard_indices.hpp>
+#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/history.hpp>
+#include <trainloop/model_contract.hpp>
+#include <trainloop/options.hpp>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+namespace trainloop::detail {
+
+/// Loss and metrics over `dataset`: this process's shard, sums reduced over every rank.
+template <class Module, class Batch, ModeEngine Engine>
+EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyDataset<Batch>& dataset,
+                          Criterion& criterion_, const TrainLoopOptions& options_) {
+  TRAINLOOP_CHECK(dataset.has_value(), "evaluate() needs a dataset");
+  TRAINLOOP_CHECK(dataset.size() > 0, "the evaluation dataset is empty; expected at least one sample");
+  const bool was_training = module_.is_training();
+  module_.eval();
+  MetricAccumulator sums(options_.metrics(), engine.device());
+  auto indices = shard_indices(dataset.size(), engine.data_shard(), false, options_, 0);
+  data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
+                                                    static_cast<size_t>(options_.effective_eval_batch_size()),
+                                                    static_cast<size_t>(options_.num_workers()), false);
+  auto forward = [&criterion_](Module& replica, const Batch& b) { return forward_batch(replica, b, criterion_, false); };
+  for (auto&& batch : loader) {
+    engine.eval_batch(batch, forward, [&](const StepOutput& out) {
+      sums.add_loss(out.loss, out.samples);
+      if (out.output.defined() && out.target.defined()) sums.add_outputs(out.output, out.target);
+    });
+  }
+  auto totals = sums.packed_totals();
+  engine.all_reduce_sum(totals);
+  auto values = sums.compute(totals);
+  module_.train(was_training);
+  return EvalResult{values.loss, values.samples, values.metrics};
+}
+
+/// The model's outputs for every sample of `dataset`, in dataset order, on the CPU, on every
+/// rank: each rank predicts its evaluation shard, the shards are gathered and interleaved back
+/// (shard r holds samples r, r+world, ...).
+template <class Module, class Batch, ModeEngine Engine>
+torch::Tensor predict_dataset(Engine& engine, Module& module_, const data::AnyDataset<Batch>& dataset,
+                            const TrainLoopOptions& options_) {
+  TRAINLOOP_CHECK(dataset.has_value() && dataset.size() > 0, "predict() needs a non-empty dataset");
+  const bool was_training = module_.is_training();
+  module_.eval();
+  const auto shard = engine.data_shard();
+  TRAINLOOP_CHECK(static_cast<int64_t>(dataset.size()) >= shard.world_size, "predict() over ", dataset.size(),
+                  " samples with ", shard.world_size, " ranks; expected at least one sample per rank");
+  auto indices = shard_indices(dataset.size(), shard, false, options_, 0);
+  const int64_t local_count = static_cast<int64_t>(indices.size());
+  data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
+                                                    static_cast<size_t>(options_.effective_eval_batch_size()),
+                                                    static_cast<size_t>(options_.num_workers()), false);
+  auto forward = [](Module& replica, const Batch& b) {
+    StepOutput out;
+    out.samples = batch_size_of(b);
+    if constexpr (HasCustomContract<Module, Batch>) {
+      out.output = replica.batch_predictions(b).output;
+    } else {
+      out.output = replica.forward(b.data);
+    }
+    return out;
+  };
+  std::vector<torch::Tensor> outputs;
+  for (auto&& batch : loader) {
+    engine.eval_batch(batch, forward, [&](const StepOutput& out) { outputs.push_back(out.output); });
+  }
+  module_.train(was_training);
+  torch::Tensor local = outputs.empty() ? torch::Tensor() : torch::cat(outputs);
+  if (shard.world_size == 1) return local.to(torch::kCPU);
+
+  // Shards differ by at most one sample: pad to the largest, gather, drop the padding.
+  const int64_t world = shard.world_size;
+  const int64_t largest = (static_cast<int64_t>(dataset.size()) + world - 1) / world;
+  std::vector<int64_t> shape = local.sizes().vec();
+  shape[0] = largest;
+  torch::Tensor padded = torch::zeros(shape, local.options());
+  padded.narrow(0, 0, local_count).copy_(local);
+  torch::Tensor gathered = engine.all_gather(padded).to(torch::kCPU);  // [world, largest, ...]
+  // Row i of the dataset is row i / world of shard i % world: transpose the first two
+  // dimensions and flatten them, then cut the padding off the end.
+  std::vector<int64_t> flat_shape = shape;
+  flat_shape[0] = world * largest;
+  return gathered.transpose(0, 1).reshape(flat_shape).narrow(0, 0, static_cast<int64_t>(dataset.size()));
+}
+
+}  // namespace trainloop::detail

@@ -1,0 +1,390 @@
+#define BOOST_TEST_MODULE test_checkpoint
+#include "unit_test.hpp"
+
+// Training state: the callback context, continuing fits, checkpoints and exact resume, in one
+// process (single and DataParallel). DDP's share is in test_distributed.cpp.
+
+#include "test_support.hpp"
+
+#include <trainloop/trainloop.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <algorithm>
+#include <filesystem>
+#include <iomanip>
+#include <sstream>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tl = trainloop;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A 3-class problem: the class is the argmax of a fixed projection of 8 inputs.
+tl::data::TensorDataset blobs(int64_t n, uint64_t seed) {
+  auto x = torch::randn({n, 8}, at::detail::createCPUGenerator(seed));
+  auto y = x.matmul(torch::randn({8, 3}, at::detail::createCPUGenerator(1234))).argmax(1);
+  return tl::data::TensorDataset(x, y, 3);
+}
+
+/// With dropout, so that the random stream matters for exactness.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(double dropout) : p(dropout) {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  NetImpl() : NetImpl(0.0) {}  // DataParallel builds its replicas this way: no dropout there
+  torch::Tensor forward(torch::Tensor x) {
+    return fc2(torch::dropout(torch::relu(fc1(x)), p, is_training()));
+  }
+  double p;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Net);
+
+/// A temporary directory, removed with the object.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "tl-test-checkpoint-XXXXXX").string();
+    path = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+torch::Tensor flat(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& t : tensors) parts.push_back(t.detach().reshape({-1}).to(torch::kCPU, torch::kFloat64));
+  return torch::cat(parts);
+}
+
+/// Adam's whole state, flattened in parameter order: step count, first and second moments.
+torch::Tensor optimizer_state(torch::optim::Adam& optimizer) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto& state = static_cast<torch::optim::AdamParamState&>(
+          *optimizer.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+      parts.push_back(torch::full({1}, static_cast<double>(state.step()), torch::kFloat64));
+      parts.push_back(state.exp_avg().reshape({-1}).to(torch::kFloat64));
+      parts.push_back(state.exp_avg_sq().reshape({-1}).to(torch::kFloat64));
+    }
+  }
+  return torch::cat(parts);
+}
+
+/// One "program run": a model, an optimizer and a loop built from scratch, as a restarted
+/// process builds them (the weights seeded differently, so a resume has to load them).
+struct Run {
+  Net net;
+  torch::optim::Adam optimizer;
+  tl::TrainLoop<Net, tl::gpu_mode::Any> loop;
+  Run(uint64_t init_seed, tl::gpu_mode::Any mode, double dropout = 0.2, tl::TrainLoopOptions options = base_options())
+      : net((torch::manual_seed(init_seed), Net(dropout))),
+        optimizer(net->parameters(), torch::optim::AdamOptions(1e-2)),
+        loop(net, blobs(60, 1), blobs(30, 2), optimizer, torch::nn::CrossEntropyLoss(), options, std::move(mode)) {}
+  static tl::TrainLoopOptions base_options() {
+    return tl::TrainLoopOptions().batch_size(8).seed(3).metrics({std::make_shared<tl::Accuracy>()});
+  }
+  torch::Tensor params() const { return flat(net->parameters()); }
+};
+
+void require_same_history(const tl::History& a, const tl::History& b) {
+  BOOST_REQUIRE_EQUAL(a.epochs.size(), b.epochs.size());
+  for (size_t i = 0; i < a.epochs.size(); ++i) {
+    BOOST_TEST(a.epochs[i].epoch == b.epochs[i].epoch);
+    BOOST_TEST(a.epochs[i].steps == b.epochs[i].steps);
+    BOOST_TEST(a.epochs[i].samples == b.epochs[i].samples);
+    BOOST_TEST(a.epochs[i].train_loss == b.epochs[i].train_loss);  // bit for bit
+    BOOST_TEST(a.epochs[i].train_metrics.at("accuracy") == b.epochs[i].train_metrics.at("accuracy"));
+    BOOST_REQUIRE(a.epochs[i].validation.has_value() == b.epochs[i].validation.has_value());
+    if (a.epochs[i].validation) BOOST_TEST(a.epochs[i].validation->loss == b.epochs[i].validation->loss);
+  }
+  BOOST_TEST(a.total_steps == b.total_steps);
+}
+
+/// Throws from on_step_end at a given global step: a crash in the middle of an epoch.
+struct CrashAtStep : tl::Callback {
+  int64_t step;
+  explicit CrashAtStep(int64_t s) : step(s) {}
+  void on_step_end(tl::TrainState& state) override {
+    if (state.global_step == step) throw std::runtime_error("simulated crash at step " + std::to_string(step));
+  }
+};
+
+}  // namespace
+
+// ---- The callback context ----------------------------------------------------------------------
+
+namespace {
+struct Recorder : tl::Callback {
+  std::vector<double> rates, losses, grad_norms;
+  std::vector<int64_t> global_steps, ranks;
+  bool saw_model = false;
+  int fit_end = 0;
+  std::exception_ptr finally_error;
+  int finally_calls = 0;
+  void on_batch_end(tl::TrainState& state) override {
+    saw_model = state.model != nullptr && state.optimizer != nullptr && state.is_main && state.world_size == 1;
+    losses.push_back(state.last_loss());
+  }
+  void on_before_optimizer_step(tl::TrainState& state) override {
+    double squared = 0.0;
+    for (const auto& p : state.model->parameters()) squared += p.grad().pow(2).sum().item<double>();
+    grad_norms.push_back(std::sqrt(squared));
+  }
+  void on_step_end(tl::TrainState& state) override {
+    rates.push_back(state.learning_rates().at(0));
+    global_steps.push_back(state.global_step);
+  }
+  void on_fit_end(tl::TrainState&, const tl::History&) override { ++fit_end; }
+  void on_fit_finally(tl::TrainState&, const std::exception_ptr& error) override {
+    ++finally_calls;
+    finally_error = error;
+  }
+};
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(hooks_see_the_model_optimizer_loss_learning_rate_and_reduced_clipped_gradients) {
+  std::vector<double> norms[2];
+  int index = 0;
+  for (auto mode : {tl::gpu_mode::Any(tl::gpu_mode::Single()), tl::gpu_mode::Any(tl::gpu_mode::DataParallel::cpu_replicas(2))}) {
+    auto options = Run::base_options().shuffle(false).clip_grad_norm(0.05);
+    Run run(1, mode, /*dropout=*/0.0, options);
+    auto recorder = std::make_shared<Recorder>();
+    run.loop.fit(1, {recorder});
+    BOOST_TEST(recorder->saw_model);
+    BOOST_TEST(recorder->rates.size() == 8u);  // 60 samples / batch 8
+    for (double rate : recorder->rates) BOOST_TEST(rate == 1e-2);
+    for (double loss : recorder->losses) BOOST_TEST((std::isfinite(loss) && loss > 0.0));
+    BOOST_TEST(recorder->global_steps.back() == 8);
+    // After reduction and clipping: at most the clip norm, and the same in single and dp (the
+    // dp replicas' gradients were summed into the model before the hook).
+    for (double norm : recorder->grad_norms) BOOST_TEST(norm <= 0.05 + 1e-6);
+    BOOST_TEST(recorder->fit_end == 1);
+    BOOST_TEST(recorder->finally_calls == 1);
+    BOOST_TEST(!recorder->finally_error);
+    norms[index++] = recorder->grad_norms;
+  }
+  BOOST_REQUIRE(norms[0].size() == norms[1].size());
+  for (size_t i = 0; i < norms[0].size(); ++i) BOOST_TEST(std::abs(norms[0][i] - norms[1][i]) <= 1e-6);
+}
+
+BOOST_AUTO_TEST_CASE(on_fit_finally_runs_when_training_throws) {
+  Run run(1, tl::gpu_mode::Single());
+  auto recorder = std::make_shared<Recorder>();
+  BOOST_CHECK_THROW(run.loop.fit(3, {std::make_shared<CrashAtStep>(5), recorder}), std::runtime_error);
+  BOOST_TEST(recorder->fit_end == 0);
+  BOOST_TEST(recorder->finally_calls == 1);
+  BOOST_TEST(static_cast<bool>(recorder->finally_error));
+}
+
+BOOST_AUTO_TEST_CASE(a_stop_request_ends_fit_after_that_step_and_the_next_fit_continues_the_epoch) {
+  struct StopAtStep3 : tl::Callback {
+    void on_step_end(tl::TrainState& state) override {
+      if (state.global_step == 3) state.request_stop("three steps are enough");
+    }
+  };
+  Run stopped(1, tl::gpu_mode::Single());
+  auto history = stopped.loop.fit(5, {std::make_shared<StopAtStep3>()});
+  BOOST_TEST(history.total_steps == 3);
+  BOOST_TEST(history.stop_reason == "three steps are enough");
+  BOOST_TEST(history.epochs.size() == 1u);  // the partial first epoch
+  // Continuing inside epoch 1: 2 more steps equal 5 steps in one go, bit for bit.
+  history = stopped.loop.fit(tl::FitLength::iterations(2));
+  BOOST_TEST(history.total_steps == 5);
+  Run straight(1, tl::gpu_mode::Single());
+  auto reference = straight.loop.fit(tl::FitLength::iterations(5));
+  BOOST_TEST(torch::equal(stopped.params(), straight.params()));
+  BOOST_TEST(history.epochs.back().train_loss == reference.epochs.back().train_loss);
+}
+
+// ---- Continuing and resuming exactly ----------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(a_second_fit_continues_the_epoch_count_shuffling_and_random_stream) {
+  Run twice(1, tl::gpu_mode::Single());
+  twice.loop.fit(2);
+  auto history = twice.loop.fit(2);
+  BOOST_TEST(history.epochs.size() == 4u);
+  BOOST_TEST(history.epochs.back().epoch == 4);  // not epoch 2 again
+  Run once(1, tl::gpu_mode::Single());
+  auto reference = once.loop.fit(4);
+  BOOST_TEST(torch::equal(twice.params(), once.params()));  // shuffling and dropout continued
+  require_same_history(history, reference);
+}
+
+BOOST_AUTO_TEST_CASE(k_epochs_then_resume_then_k_epochs_equals_2k_bit_for_bit_in_single_and_dp) {
+  for (const std::string mode_name : {"single", "dp"}) {
+    auto mode = [&] { return mode_name == "dp" ? tl::gpu_mode::Any(tl::gpu_mode::DataParallel::cpu_replicas(2)) : tl::gpu_mode::Any(tl::gpu_mode::Single()); };
+    // DataParallel replicas share the CPU generator from several threads: no dropout there.
+    const double dropout = mode_name == "dp" ? 0.0 : 0.2;
+    TempDir dir;
+    Run uninterrupted(1, mode(), dropout);
+    auto reference = uninterrupted.loop.fit(4);
+
+    {
+      Run first(1, mode(), dropout);  // "process 1": 2 epochs, checkpoint after each
+      first.loop.fit(2, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir.path).keep_last(2))});
+    }
+    Run second(99, mode(), dropout);  // "process 2": other initial weights, resumes
+    auto history =
+        second.loop.fit(2, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir.path).keep_last(2))}, "last");
+    BOOST_TEST_MESSAGE(mode_name << ": max |resumed - uninterrupted| = "
+                                 << (second.params() - uninterrupted.params()).abs().max().item<double>());
+    BOOST_TEST(torch::equal(second.params(), uninterrupted.params()));
+    BOOST_TEST(torch::equal(optimizer_state(second.optimizer), optimizer_state(uninterrupted.optimizer)));
+    require_same_history(history, reference);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_crash_inside_an_epoch_resumes_from_the_step_checkpoint_exactly) {
+  TempDir dir;
+  Run uninterrupted(1, tl::gpu_mode::Single());
+  auto reference = uninterrupted.loop.fit(3);
+  auto checkpoints = [&] {
+    return std::make_shared<tl::ModelCheckpoint>(
+        tl::ModelCheckpointOptions(dir.path).every_n_epochs(0).every_n_steps(3).keep_last(1));
+  };
+  {
+    Run crashed(1, tl::gpu_mode::Single());
+    // Step 13 is in epoch 2 (8 steps per epoch); the newest checkpoint is at step 12, mid-epoch.
+    BOOST_CHECK_THROW(crashed.loop.fit(3, {checkpoints(), std::make_shared<CrashAtStep>(13)}), std::runtime_error);
+  }
+  BOOST_TEST(fs::exists(dir.path / "epoch=0002-step=000012.ckpt"));
+  Run rerun(7, tl::gpu_mode::Single());  // the same program run again: fit(3) finishes the 3 epochs
+  auto history = rerun.loop.fit(3, {checkpoints()}, "last");
+  BOOST_TEST(torch::equal(rerun.params(), uninterrupted.params()));
+  require_same_history(history, reference);
+}
+
+// ---- ModelCheckpoint --------------------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(model_checkpoint_keeps_the_last_k_and_best_k_and_last_points_at_the_newest) {
+  TempDir dir;
+  Run run(1, tl::gpu_mode::Single());
+  auto checkpoints = std::make_shared<tl::ModelCheckpoint>(
+      tl::ModelCheckpointOptions(dir.path).keep_last(2).monitor("val_loss").mode(tl::MonitorMode::Min).keep_best(1));
+  auto history = run.loop.fit(5, {checkpoints});
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir.path)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  size_t best_epoch = 0;
+  for (size_t i = 1; i < history.epochs.size(); ++i) {
+    if (history.epochs[i].validation->loss < history.epochs[best_epoch].validation->loss) best_epoch = i;
+  }
+  std::ostringstream best;
+  best << "best-epoch=000" << best_epoch + 1 << "-val_loss=" << std::fixed << std::setprecision(4)
+       << history.epochs[best_epoch].validation->loss << ".ckpt";
+  for (const auto& name : names) BOOST_TEST_MESSAGE(name);
+  BOOST_TEST(std::count(names.begin(), names.end(), "epoch=0004-step=000032.ckpt") == 1);
+  BOOST_TEST(std::count(names.begin(), names.end(), "epoch=0005-step=000040.ckpt") == 1);
+  BOOST_TEST(std::count(names.begin(), names.end(), "epoch=0003-step=000024.ckpt") == 0);  // beyond keep_last
+  BOOST_TEST(std::count(names.begin(), names.end(), best.str()) == 1, best.str());
+  BOOST_TEST(std::count(names.begin(), names.end(), "last.ckpt") == 1);
+  BOOST_TEST(names.size() == 4u);
+  BOOST_TEST(fs::read_symlink(dir.path / "last.ckpt") == "epoch=0005-step=000040.ckpt");
+  // A program without trainloop loads the weights with plain libtorch.
+  torch::manual_seed(42);
+  Net plain;
+  torch::load(plain, (dir.path / "last.ckpt").string());
+  BOOST_TEST(torch::equal(flat(plain->parameters()), run.params()));
+}
+
+BOOST_AUTO_TEST_CASE(a_checkpoint_that_cannot_be_written_stops_training_naming_the_path) {
+  Run run(1, tl::gpu_mode::Single());
+  const fs::path nowhere = "/proc/self/trainloop-checkpoints";  // no directory can be made there
+  std::string message;
+  try {
+    run.loop.fit(1, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(nowhere))});
+  } catch (const tl::Error& error) {
+    message = error.what();
+  }
+  BOOST_TEST(message.find(nowhere.string()) != std::string::npos, message);
+  // A checkpoint file that cannot be created: an error naming it, the earlier one untouched.
+  TempDir dir;
+  run.loop.save_checkpoint(dir.path / "good.ckpt");
+  const auto size = fs::file_size(dir.path / "good.ckpt");
+  message.clear();
+  try {
+    run.loop.save_checkpoint("/proc/self/bad.ckpt");
+  } catch (const tl::Error& error) {
+    message = error.what();
+  }
+  BOOST_TEST(message.find("/proc/self/bad.ckpt") != std::string::npos, message);
+  BOOST_TEST(fs::file_size(dir.path / "good.ckpt") == size);
+}
+
+BOOST_AUTO_TEST_CASE(bad_checkpoints_are_errors_that_name_the_file_and_last_falls_back) {
+  TempDir dir;
+  {
+    Run run(1, tl::gpu_mode::Single());
+    run.loop.fit(2, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir.path).keep_last(2))});
+  }
+  const fs::path newest = dir.path / "epoch=0002-step=000016.ckpt";
+  const fs::path older = dir.path / "epoch=0001-step=000008.ckpt";
+  // Truncate the newest: loading it names the file; "last" falls back to the older one.
+  const auto full = fs::file_size(newest);
+  fs::resize_file(newest, full / 2);
+  {
+    Run run(2, tl::gpu_mode::Single());
+    std::string message;
+    try {
+      run.loop.load_checkpoint(newest);
+    } catch (const tl::CheckpointError& error) {
+      message = error.what();
+    }
+    BOOST_TEST(message.find(newest.string() + " is truncated or corrupt") != std::string::npos, message);
+    // The same program run again (fit(2)) finishes the 2 epochs from the older checkpoint.
+    auto history = run.loop.fit(2, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir.path).keep_last(0))},
+                                "last");
+    BOOST_TEST(history.epochs.size() == 2u);
+    BOOST_TEST(history.total_steps == 16);
+  }
+  // Another model: names the first mismatched parameter and both shapes.
+  {
+    torch::manual_seed(1);
+    struct WideImpl : torch::nn::Module {
+      WideImpl() {
+        fc1 = register_module("fc1", torch::nn::Linear(8, 32));
+        fc2 = register_module("fc2", torch::nn::Linear(32, 3));
+      }
+      torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
+      torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+    };
+    auto wide = std::make_shared<WideImpl>();
+    torch::optim::Adam optimizer(wide->parameters(), torch::optim::AdamOptions(1e-2));
+    tl::TrainLoop<WideImpl> loop(wide, blobs(60, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), Run::base_options());
+    std::string message;
+    try {
+      loop.load_checkpoint(older);
+    } catch (const tl::CheckpointError& error) {
+      message = error.what();
+    }
+    BOOST_TEST(message.find("parameter 'fc1.weight' has shape [16, 8] in the checkpoint and [32, 8] in the model") !=
+                   std::string::npos,
+               message);
+  }
+  // A newer format: says so.
+  {
+    torch::serialize::OutputArchive archive, ours;
+    ours.write("format_version", c10::IValue(int64_t{99}));
+    ours.write("trainloop_version", c10::IValue(std::string("9.9.0")));
+    archive.write("__trainloop__", ours);
+    archive.save_to((dir.path / "future.ckpt").string());
+    Run run(3, tl::gpu_mode::Single());
+    std::string message;
+    try {
+      run.loop.load_checkpoint(dir.path / "future.ckpt");
+    } catch (const tl::CheckpointError& error) {
+      message = error.what();
+    }
+    BOOST_TEST(message.find("format version 99, written by a newer trainloop (9.9.0)") != std::string::npos, message);
+  }
+}
