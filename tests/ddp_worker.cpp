@@ -5,7 +5,7 @@
 //
 // Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
 // exit0, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
-// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, ckpt (checkpoints, resume
+// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, ckpt (checkpoints, resume
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
@@ -71,6 +71,13 @@ struct OomOnRank1Impl : MlpImpl {
   }
 };
 TORCH_MODULE(OomOnRank1);
+
+/// Asks to stop on rank 1 only, at a global step: every rank must stop after that same step.
+struct StopOnRank1 : tl::Callback {
+  void on_step_end(tl::TrainState& state) override {
+    if (own_rank() == 1 && state.global_step == 3) state.request_stop("rank 1 has seen enough");
+  }
+};
 
 /// Counts optimizer steps, and keeps the count in checkpoints (and across spawned fits).
 struct StepCounter : tl::Callback {
@@ -172,6 +179,7 @@ int main(int argc, char** argv) {
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
     }
+    if (scenario == "stop_on_rank1") callbacks.push_back(std::make_shared<StopOnRank1>());
     if (scenario == "twofits") {
       counter = std::make_shared<StepCounter>();
       callbacks.push_back(counter);
@@ -266,6 +274,12 @@ int main(int argc, char** argv) {
     std::vector<torch::Tensor> params;
     for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
     torch::save(params, out_dir + "/params" + (std::getenv("RANK") ? std::string(std::getenv("RANK")) : "") + ".pt");
+    if (tl::is_main_process() && scenario == "stop_on_rank1") {
+      std::ofstream(out_dir + "/result.txt") << "steps " << history.total_steps << "\nstop_reason_ok "
+                                             << (history.stop_reason == "a callback on another rank asked to stop" ? 1 : 0)
+                                             << "\n";
+      return 0;
+    }
     if (tl::is_main_process()) {
       // Evaluate the returned model in this one process: must equal the ranks' reduced values.
       tl::TrainLoop<Mlp> local(net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), options);

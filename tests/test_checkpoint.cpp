@@ -388,3 +388,14 @@ BOOST_AUTO_TEST_CASE(bad_checkpoints_are_errors_that_name_the_file_and_last_fall
     BOOST_TEST(message.find("format version 99, written by a newer trainloop (9.9.0)") != std::string::npos, message);
   }
 }
+
+BOOST_AUTO_TEST_CASE(a_time_interval_writes_checkpoints_inside_epochs) {
+  TempDir dir;
+  Run run(1, tl::gpu_mode::Single());
+  // A vanishing interval: due after every step (the clock check is what is tested).
+  run.loop.fit(1, {std::make_shared<tl::ModelCheckpoint>(
+                      tl::ModelCheckpointOptions(dir.path).every_n_epochs(0).every_minutes(1e-9).keep_last(0))});
+  int written = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path)) written += entry.path().filename() != "last.ckpt";
+  BOOST_TEST(written == 8);  // one per step
+}

@@ -12,6 +12,8 @@
 #include <trainloop/trainloop.hpp>
 
 #include <cstdlib>
+#include <filesystem>
+#include <unistd.h>
 #include <string>
 
 namespace tl = trainloop;
@@ -119,4 +121,41 @@ BOOST_AUTO_TEST_CASE(evaluation_on_cuda_counts_every_sample_once) {
   BOOST_TEST(on_cuda.samples == 97);
   BOOST_TEST(std::abs(on_cuda.loss - on_cpu.loss) <= 1e-5);
   BOOST_TEST(std::abs(on_cuda.metrics.at("accuracy") - on_cpu.metrics.at("accuracy")) <= 1e-9);
+}
+
+namespace {
+/// The test MLP with dropout on CUDA: the CUDA generator's state matters for an exact resume.
+struct DropoutMlpImpl : MlpImpl {
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::dropout(torch::tanh(fc2(torch::tanh(fc1(x)))), 0.3, is_training())); }
+};
+TORCH_MODULE(DropoutMlp);
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_cuda_checkpoint_resumes_exactly_cuda_random_stream_included) {
+  if (!have_cuda()) return;
+  at::globalContext().setAllowTF32CuBLAS(false);
+  const torch::Device cuda("cuda:0");
+  const auto dir = std::filesystem::temp_directory_path() / ("trainloop_cuda_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto run = [&](uint64_t init_seed, int64_t epochs, const std::string& resume) {
+    torch::manual_seed(init_seed);
+    DropoutMlp net;
+    net->to(cuda);
+    torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+    tl::TrainLoop<DropoutMlp> loop(net, make_data(64, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                                   tl::TrainLoopOptions().batch_size(8), tl::gpu_mode::Single(cuda));
+    tl::CallbackList callbacks;
+    if (!resume.empty() || epochs == 2) {
+      callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir)));
+    }
+    loop.fit(epochs, callbacks, resume);
+    return flat_params(net->parameters()).cpu();
+  };
+  const auto uninterrupted = run(1, 4, "");
+  run(1, 2, "");
+  const auto resumed = run(9, 2, "last");
+  const double difference = (resumed - uninterrupted).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("CUDA: max |resumed - uninterrupted| = " << difference);
+  BOOST_TEST(difference <= 1e-6);
+  std::filesystem::remove_all(dir);
 }

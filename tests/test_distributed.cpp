@@ -531,6 +531,14 @@ BOOST_AUTO_TEST_CASE(a_timeout_of_zero_is_rejected_before_any_rank_starts) {
   BOOST_TEST(leftover_workers() == 0);
 }
 
+BOOST_AUTO_TEST_CASE(a_stop_requested_on_one_rank_stops_every_rank_after_that_step) {
+  auto run = run_worker("stop_on_rank1", 2);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  BOOST_TEST(run.result["steps"] == 3);
+  BOOST_TEST(run.result["stop_reason_ok"] == 1);  // rank 0 reports that another rank asked
+  fs::remove_all(run.dir);
+}
+
 // ---- Checkpoints, resume and restarts under DDP -----------------------------------------------
 
 namespace {

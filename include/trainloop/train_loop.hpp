@@ -75,7 +75,7 @@ class TrainLoop {
     TRAINLOOP_CHECK(static_cast<bool>(criterion_), "no criterion was given");
   }
 
-  /// @brief Trains for `epochs` more epochs; see fit(const FitLength&, ...).
+  /// @brief Trains for `epochs` more epochs; see the FitLength overload for `callbacks` and `resume`.
   History fit(int64_t epochs, const CallbackList& callbacks = {}, const std::string& resume = "") {
     return fit(FitLength::epochs(epochs), callbacks, resume);
   }
@@ -83,6 +83,8 @@ class TrainLoop {
   /// @brief Trains for a number of epochs or an exact number of optimizer steps, from where the
   /// loop stands: a second fit() continues the epoch count, the sample order and the random
   /// stream (epoch 3 after two epochs; inside an epoch if the last fit stopped there).
+  /// @param length how many more epochs or optimizer steps
+  /// @param callbacks the callbacks of this call (see callbacks/callback.hpp)
   /// @param resume "" to continue from the loop as it is; "last" to resume from the newest
   ///        checkpoint of the ModelCheckpoint among `callbacks` (trying older ones when it is
   ///        unreadable, starting fresh when there is none yet); a checkpoint file or directory.
