@@ -16,6 +16,7 @@
 #   GENERATOR, MAKE_PROGRAM, CXX_COMPILER, BUILD_TYPE   reused so the consumer builds alike
 #   GLOO_INCLUDE_DIR      where Gloo's headers are (TRAINLOOP_GLOO_INCLUDE_DIR of the build)
 #   EXPECT_CUDA           TRUE when the build's libtorch is a CUDA build (USE_C10D_NCCL expected)
+#   EXPECT_ABI_FLAG       TRUE when libtorch's TORCH_CXX_FLAGS carry -D_GLIBCXX_USE_CXX11_ABI (1.13; not 2.11)
 cmake_minimum_required(VERSION 3.18)
 
 foreach(var TRAINLOOP_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR)
@@ -131,7 +132,10 @@ run_step("building the consumer" build_command)
 
 # What the interface must put on the consumer's compile line.
 file(READ "${consumer_build}/compile_commands.json" commands)
-set(expected -DUSE_C10D_GLOO -D_GLIBCXX_USE_CXX11_ABI= "${prefix}/include")
+set(expected -DUSE_C10D_GLOO "${prefix}/include")
+if(EXPECT_ABI_FLAG)
+  list(APPEND expected -D_GLIBCXX_USE_CXX11_ABI=)
+endif()
 if(EXPECT_CUDA)
   list(APPEND expected -DUSE_C10D_NCCL -DTRAINLOOP_WITH_CUDA=1)
 endif()

@@ -58,6 +58,7 @@ if has build; then
   echo "build exit $?" >> "$out/build.log"
 fi
 
+export TRAINLOOP_FASHION_MNIST_DIR=$deps/data  # the Debian package is not installed there
 if has test; then
   (cd "$build" && ctest --output-on-failure -j 4 --timeout 600) > "$out/test.log" 2>&1
   echo "ctest exit $?" >> "$out/test.log"

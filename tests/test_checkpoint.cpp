@@ -70,8 +70,16 @@ torch::Tensor optimizer_state(torch::optim::Adam& optimizer) {
   std::vector<torch::Tensor> parts;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
-      auto& state = static_cast<torch::optim::AdamParamState&>(
-          *optimizer.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+      // The state's key is the parameter's TensorImpl address, printed as a pointer (1.13) or
+      // as a decimal number (2.x): try both.
+      std::ostringstream pointer;
+      pointer << p.unsafeGetTensorImpl();
+      auto found = optimizer.state().find(pointer.str());
+      if (found == optimizer.state().end()) {
+        found = optimizer.state().find(std::to_string(reinterpret_cast<uintptr_t>(p.unsafeGetTensorImpl())));
+      }
+      BOOST_REQUIRE(found != optimizer.state().end());
+      auto& state = static_cast<torch::optim::AdamParamState&>(*found->second);
       parts.push_back(torch::full({1}, static_cast<double>(state.step()), torch::kFloat64));
       parts.push_back(state.exp_avg().reshape({-1}).to(torch::kFloat64));
       parts.push_back(state.exp_avg_sq().reshape({-1}).to(torch::kFloat64));

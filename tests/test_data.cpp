@@ -25,7 +25,7 @@ using trainloop::data::TensorDataset;
 
 namespace {
 
-const fs::path kDebianDir = "/usr/share/datasets/fashion-mnist";
+const fs::path kDebianDir = trainloop::data::FashionMNISTOptions::default_root();
 
 
 bool contains(const std::string& text, const std::string& part) {

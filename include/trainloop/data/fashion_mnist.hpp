@@ -11,6 +11,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -20,8 +21,17 @@ namespace trainloop::data {
 /// @brief Options of FashionMNIST, fluent in the libtorch style:
 /// `FashionMNISTOptions().root("/data/fmnist").normalize(false)`.
 struct FashionMNISTOptions {
+  /// @brief The directory the files are looked for in by default (see root).
+  static std::filesystem::path default_root() {
+    const char* from_environment = std::getenv("TRAINLOOP_FASHION_MNIST_DIR");
+    return from_environment != nullptr && *from_environment != '\0' ? std::filesystem::path(from_environment)
+                                                                      : std::filesystem::path("/usr/share/datasets/fashion-mnist");
+  }
+
   /// Directory holding the four `*-idx?-ubyte.gz` files; Debian's package puts them here.
-  TORCH_ARG(std::filesystem::path, root) = "/usr/share/datasets/fashion-mnist";
+  /// Default: $TRAINLOOP_FASHION_MNIST_DIR when set (machines without Debian's package), else
+  /// /usr/share/datasets/fashion-mnist.
+  TORCH_ARG(std::filesystem::path, root) = default_root();
   /// When true, pixels (already scaled to [0,1]) are standardized with the training set's
   /// mean and std, so inputs are roughly zero-mean, unit-variance.
   TORCH_ARG(bool, normalize) = true;
