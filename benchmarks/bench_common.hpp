@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <chrono>
 #include <cmath>
 #include <string>
@@ -104,6 +106,62 @@ struct WideMlpImpl : torch::nn::Module {
   torch::nn::Sequential layers;
 };
 TORCH_MODULE(WideMlp);
+
+/// @brief FLOPs of one training step per sample of examples/fashion_net.hpp's CNN: forward
+/// multiply-adds (conv1 28x28x32x9, conv2 14x14x64x32x9, fc1 3136x128, fc2 128x10) x 2 FLOPs,
+/// and the backward pass twice the forward: 25.4 MFLOP.
+inline double fashion_net_training_flops() {
+  const double macs = 28.0 * 28 * 32 * 9 + 14.0 * 14 * 64 * 32 * 9 + 64.0 * 7 * 7 * 128 + 128.0 * 10;
+  return 6.0 * macs;
+}
+
+/// @brief FLOPs one core issues per cycle at most (fp32 fused multiply-adds), from the CPU's
+/// vector units: 32 with AVX2+FMA (two 256-bit FMA pipes, 8 fp32 lanes x 2 FLOPs each: Zen 4,
+/// and most x86 cores since Haswell; Intel's server cores with two 512-bit units reach 64, which
+/// --peak-gflops can say), 8 without FMA.
+inline int fp32_flops_per_cycle() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    const bool fma = line.find(" fma") != std::string::npos;
+    const bool avx2 = line.find(" avx2") != std::string::npos;
+    return fma && avx2 ? 32 : 8;
+  }
+  return 8;
+}
+
+/// @brief The highest clock of core 0, in GHz (cpufreq's maximum, else /proc/cpuinfo's current).
+inline double cpu_ghz() {
+  std::ifstream max_khz("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq");
+  double khz = 0;
+  if (max_khz >> khz && khz > 0) return khz / 1e6;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("cpu MHz", 0) == 0) return std::stod(line.substr(line.find(':') + 1)) / 1e3;
+  }
+  return 0.0;
+}
+
+/// @brief The usable cores' fp32 FMA peak in GFLOP/s: cores x GHz x FLOPs per cycle.
+inline double cpu_fp32_peak_gflops() {
+  return trainloop::cpu::usable_cpu_count() * cpu_ghz() * fp32_flops_per_cycle();
+}
+
+/// @brief How cpu_fp32_peak_gflops() was estimated, for the benchmarks' output.
+inline std::string cpu_peak_assumption() {
+  std::ostringstream text;
+  text << trainloop::cpu::usable_cpu_count() << " usable cores x " << cpu_ghz() << " GHz x " << fp32_flops_per_cycle()
+       << " FLOP/cycle";
+  return text.str();
+}
+
+/// @brief "2 intra-op, OpenBLAS 1": the threads this process computes with now.
+inline std::string thread_description(int intra_op) {
+  const int blas = trainloop::detail::OpenBlasThreads::loaded().get();
+  return std::to_string(intra_op) + " intra-op, OpenBLAS " + (blas > 0 ? std::to_string(blas) : std::string("n/a"));
+}
 
 /// @brief Waits for queued device work, so a host timestamp means the work is done (CUDA only).
 inline void wait_for_device(const torch::Device& device) {

@@ -16,22 +16,7 @@ import time
 import torch
 import torch.nn as nn
 
-
-class FashionNet(nn.Module):
-    """examples/fashion_net.hpp's CNN."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.fc1 = nn.Linear(64 * 7 * 7, 128)
-        self.dropout = nn.Dropout(0.25)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc2(self.dropout(torch.relu(self.fc1(x.flatten(1)))))
+from pytorch_models import FashionNet, wide_mlp
 
 
 def main():
@@ -45,7 +30,7 @@ def main():
     if args.model == "cnn":
         model, x = FashionNet(), torch.randn(args.batch_size, 1, 28, 28)
     else:
-        model = nn.Sequential(nn.Linear(784, 4608), nn.ReLU(), nn.Linear(4608, 4608), nn.ReLU(), nn.Linear(4608, 10))
+        model = wide_mlp(4608, 2)
         x = torch.randn(args.batch_size, 784)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     y = torch.randint(0, 10, (args.batch_size,))

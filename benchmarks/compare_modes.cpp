@@ -85,6 +85,7 @@ struct Config {
   std::vector<std::string> modes = {"hand", "single", "dp", "ddp"};
   std::string data_dir = trainloop::data::FashionMNISTOptions().root().string();
   uint64_t seed = 0;
+  double peak_gflops = 0.0;  // 0: estimated from the CPU
   torch::Device device() const { return torch::Device(device_name); }
   /// Where rank 0 of a DDP run leaves its step times for the launching process.
   std::string ddp_steps_path() const { return csv_path + ".ddp_steps"; }
@@ -98,6 +99,7 @@ struct Run {
   int64_t steps = 0;
   double loss = 0.0;
   std::vector<double> step_seconds;
+  std::string threads;  // the thread configuration the run computed with
 };
 
 /// Records the wall time of every optimizer step; optionally writes them to a file at the end
@@ -144,6 +146,11 @@ std::vector<double> read_step_file(const std::string& path) {
   return values;
 }
 
+/// FLOPs of one training step per sample: 6 x the forward pass's multiply-adds.
+double flops_per_sample(const Config& c) {
+  return c.workload == "mlp" ? bench::mlp_shape().training_flops_per_sample() : bench::fashion_net_training_flops();
+}
+
 /// The same initial weights in every run: the model is built right after seeding.
 template <class Model>
 Model seeded_model(const Config& c, const torch::Device& device) {
@@ -187,6 +194,7 @@ Run hand_run(const Config& c, const bench::TensorPair& data, int64_t max_batches
   run.steps = static_cast<int64_t>(pass.step_seconds.size());
   run.loss = pass.mean_loss;
   run.step_seconds = std::move(pass.step_seconds);
+  run.threads = bench::thread_description(at::get_num_threads());
   return run;
 }
 
@@ -217,6 +225,15 @@ Run trainloop_run(const Config& c, const std::string& mode_name, const trainloop
   const bool launched_ranks = ddp && !trainloop::dist::detect_rank_env();
   if (launched_ranks) run.step_seconds = read_step_file(c.ddp_steps_path());
   if (!ddp) run.step_seconds = timer->step_seconds();
+  if (mode_name == "single") run.threads = bench::thread_description(at::get_num_threads());
+  if (mode_name == "dp") {
+    run.threads = std::to_string(c.replicas) + " replicas x " + std::to_string(trainloop::cpu::intra_op_threads_for(c.replicas)) +
+                  " intra-op, OpenBLAS 1";
+  }
+  if (ddp) {
+    run.threads = std::to_string(c.procs) + " ranks x " + std::to_string(trainloop::cpu::intra_op_threads_for(c.procs)) +
+                  " intra-op, OpenBLAS " + trainloop::cpu::blas_threads_for_children().value_or("as set");
+  }
   return run;
 }
 
@@ -248,6 +265,10 @@ struct Summary {
   int64_t steps = 0;                    // per repetition (last)
   double loss = 0.0;                    // last repetition
   std::string note;
+  double min_rate = 0.0, max_rate = 0.0;  // over repetitions
+  double gflops = 0.0;                    // median samples/s x training FLOPs per sample
+  bool spread_exceeds_difference = false;  // (max - min) / median > |1 - vs hand|
+  std::string threads;
 };
 
 std::vector<Summary> summarise(const Config& c, const std::map<std::string, std::vector<Run>>& runs) {
@@ -265,9 +286,16 @@ std::vector<Summary> summarise(const Config& c, const std::map<std::string, std:
       if (hand != runs.end()) ratios.push_back(mode_runs[r].samples_per_second / hand->second[r].samples_per_second);
     }
     s.samples_per_second = bench::median(rates);
+    s.min_rate = *std::min_element(rates.begin(), rates.end());
+    s.max_rate = *std::max_element(rates.begin(), rates.end());
+    s.gflops = s.samples_per_second * flops_per_sample(c) / 1e9;
+    s.threads = mode_runs.back().threads;
     s.step_ms_median = bench::median(steps);
     s.step_ms_p95 = bench::percentile(steps, 95.0);
     if (!ratios.empty()) s.ratio_to_hand = bench::median(ratios);
+    if (s.ratio_to_hand && mode != "hand") {
+      s.spread_exceeds_difference = (s.max_rate - s.min_rate) / s.samples_per_second > std::abs(1.0 - *s.ratio_to_hand);
+    }
     s.fit_seconds = bench::median(fits);
     s.steps = mode_runs.back().steps;
     s.loss = mode_runs.back().loss;
@@ -277,19 +305,33 @@ std::vector<Summary> summarise(const Config& c, const std::map<std::string, std:
   return rows;
 }
 
-void print_table(const std::vector<Summary>& rows) {
-  std::printf("\n%-7s %11s %10s %10s %8s %6s %7s %9s  %s\n", "mode", "samples/s", "step med", "step p95", "vs hand",
-              "steps", "fit s", "loss", "note");
-  std::printf("%-7s %11s %10s %10s %8s %6s %7s %9s\n", "", "(median)", "(ms)", "(ms)", "", "/rep", "", "(last)");
+void print_table(const Config& c, const std::vector<Summary>& rows) {
+  const double peak = c.peak_gflops > 0 ? c.peak_gflops : bench::cpu_fp32_peak_gflops();
+  std::printf("\n%-7s %11s %19s %10s %10s %8s %8s %7s %6s %7s %9s  %s\n", "mode", "samples/s", "min-max", "step med",
+              "step p95", "vs hand", "GFLOP/s", "% peak", "steps", "fit s", "loss", "note");
+  std::printf("%-7s %11s %19s %10s %10s %8s %8s %7s %6s %7s %9s\n", "", "(median)", "", "(ms)", "(ms)", "", "", "",
+              "/rep", "", "(last)");
   for (const auto& s : rows) {
-    char ratio[32];
+    char ratio[32], range[48];
     if (s.ratio_to_hand)
-      std::snprintf(ratio, sizeof ratio, "%.3f", *s.ratio_to_hand);
+      std::snprintf(ratio, sizeof ratio, "%.3f%s", *s.ratio_to_hand, s.spread_exceeds_difference ? "*" : "");
     else
       std::snprintf(ratio, sizeof ratio, "-");
-    std::printf("%-7s %11.1f %10.2f %10.2f %8s %6lld %7.2f %9.5f  %s\n", s.mode.c_str(), s.samples_per_second,
-                s.step_ms_median, s.step_ms_p95, ratio, static_cast<long long>(s.steps), s.fit_seconds, s.loss,
+    std::snprintf(range, sizeof range, "%.1f-%.1f", s.min_rate, s.max_rate);
+    std::printf("%-7s %11.1f %19s %10.2f %10.2f %8s %8.2f %6.1f%% %6lld %7.2f %9.5f  %s\n", s.mode.c_str(),
+                s.samples_per_second, range, s.step_ms_median, s.step_ms_p95, ratio, s.gflops,
+                peak > 0 ? 100.0 * s.gflops / peak : 0.0, static_cast<long long>(s.steps), s.fit_seconds, s.loss,
                 s.note.c_str());
+  }
+  std::printf("\nthreads:");
+  for (const auto& s : rows) std::printf("  %s: %s;", s.mode.c_str(), s.threads.c_str());
+  std::printf("\n%.3f GFLOP per training sample (6 x forward multiply-adds); peak %.1f GFLOP/s fp32 (%s)\n",
+              flops_per_sample(c) / 1e9, peak, c.peak_gflops > 0 ? "--peak-gflops" : bench::cpu_peak_assumption().c_str());
+  bool any_noisy = false;
+  for (const auto& s : rows) any_noisy = any_noisy || s.spread_exceeds_difference;
+  if (any_noisy) {
+    std::printf("* the spread (max - min) / median of this mode's repetitions exceeds its difference to hand: "
+                "the ratio is noise on this machine\n");
   }
 }
 
@@ -343,7 +385,7 @@ int run_benchmark(const Config& c, const bench::TensorPair& data) {
     std::printf("\n");
   }
   const auto rows = summarise(c, runs);
-  print_table(rows);
+  print_table(c, rows);
   write_csv(c, rows);
   std::printf("\nwritten: %s\n", c.csv_path.c_str());
   return 0;
@@ -375,6 +417,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"hand", "single", "dp", "ddp"}));
   app.add_option("--data", c.data_dir, "directory with the Fashion-MNIST *-idx?-ubyte.gz files");
   app.add_option("--seed", c.seed, "seed for the data, the weights and dropout");
+  app.add_option("--peak-gflops", c.peak_gflops,
+                 "the machine's fp32 peak for the % column; 0 estimates it from the cores, clock and vector units");
   app.add_option("--mlp-width", bench::mlp_shape().width, "mlp: units per hidden layer")->check(CLI::PositiveNumber);
   app.add_option("--mlp-layers", bench::mlp_shape().hidden_layers, "mlp: hidden layers")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);

@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn as nn
 
+from pytorch_models import wide_mlp
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -34,11 +36,7 @@ def main():
 
     device = torch.device(args.device)
     torch.manual_seed(0)
-    layers, inputs = [], 784
-    for _ in range(args.layers):
-        layers += [nn.Linear(inputs, args.width), nn.ReLU()]
-        inputs = args.width
-    model = nn.Sequential(*layers, nn.Linear(inputs, 10)).to(device)
+    model = wide_mlp(args.width, args.layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(args.samples, 784, generator=torch.Generator().manual_seed(1)).to(device)
     y = torch.randint(0, 10, (args.samples,), generator=torch.Generator().manual_seed(2)).to(device)

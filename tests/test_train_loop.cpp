@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -404,4 +405,76 @@ BOOST_AUTO_TEST_CASE(an_atomically_written_file_gets_the_permissions_the_umask_a
   const auto permissions = std::filesystem::status(dir / "file.csv").permissions();
   BOOST_TEST(static_cast<int>(permissions) == 0640);
   std::filesystem::remove_all(dir);
+}
+
+// ---- Threads: the documented rule (cpu/threads.hpp) ---------------------------------------------
+
+BOOST_AUTO_TEST_CASE(single_mode_takes_every_usable_core_and_a_one_thread_openblas_unless_told_otherwise) {
+  if (std::getenv("OMP_NUM_THREADS") != nullptr) {
+    BOOST_TEST_MESSAGE("OMP_NUM_THREADS is set: the user's choice wins, nothing to check");
+    return;
+  }
+  auto net = seeded_net(8);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(20, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(5));
+  loop.fit(1);
+  BOOST_TEST(at::get_num_threads() == tl::cpu::usable_cpu_count());
+  const auto& blas = tl::detail::OpenBlasThreads::loaded();
+  if (blas.available()) BOOST_TEST(blas.get() == 1);
+  // An explicit count wins over the rule.
+  tl::TrainLoop<Net> one(net, blobs(20, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                         tl::TrainLoopOptions().batch_size(5).num_threads(1));
+  one.fit(1);
+  BOOST_TEST(at::get_num_threads() == 1);
+  tl::cpu::requested_threads().store(0);
+  tl::cpu::configure_single_process();
+  BOOST_TEST(at::get_num_threads() == tl::cpu::usable_cpu_count());
+}
+
+BOOST_AUTO_TEST_CASE(a_cgroup_cpu_quota_caps_the_usable_cores) {
+  const auto root = std::filesystem::temp_directory_path() / ("trainloop_cgroup_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root / "cpu");
+  BOOST_TEST(!tl::cpu::cgroup_cpu_quota(root).has_value());  // no files: no quota
+  std::ofstream(root / "cpu" / "cpu.cfs_quota_us") << "-1\n";
+  std::ofstream(root / "cpu" / "cpu.cfs_period_us") << "100000\n";
+  BOOST_TEST(!tl::cpu::cgroup_cpu_quota(root).has_value());  // v1 without a quota
+  std::ofstream(root / "cpu" / "cpu.cfs_quota_us") << "250000\n";
+  BOOST_TEST(*tl::cpu::cgroup_cpu_quota(root) == 3);  // v1: 2.5 CPUs, rounded up
+  std::ofstream(root / "cpu.max") << "max 100000\n";
+  BOOST_TEST(!tl::cpu::cgroup_cpu_quota(root).has_value());  // v2 wins: no quota
+  std::ofstream(root / "cpu.max") << "150000 100000\n";
+  BOOST_TEST(*tl::cpu::cgroup_cpu_quota(root) == 2);
+  std::filesystem::remove_all(root);
+}
+
+BOOST_AUTO_TEST_CASE(freed_memory_stays_in_the_process_after_a_fit) {
+  if (tl::cpu::malloc_tuned_by_user()) {
+    BOOST_TEST_MESSAGE("malloc is tuned in the environment: the user's choice wins, nothing to check");
+    return;
+  }
+  auto net = seeded_net(9);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Net> loop(net, blobs(20, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(5));
+  loop.fit(1);
+  BOOST_TEST(tl::cpu::keep_freed_memory());
+  // A 64 MiB buffer, freed and allocated again, now comes from the heap: no fresh page faults.
+  auto faults = [] {
+    std::ifstream stat("/proc/self/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    std::istringstream fields(text.substr(text.rfind(')') + 2));
+    std::string field;
+    for (int i = 3; i < 10; ++i) fields >> field;  // field 10 is minflt
+    long long minor = 0;
+    fields >> minor;
+    return minor;
+  };
+  { auto warm = torch::ones({16 << 20}); }
+  const long long before = faults();
+  for (int i = 0; i < 5; ++i) {
+    auto buffer = torch::ones({16 << 20});  // 64 MiB, touched
+  }
+  const long long after = faults();
+  BOOST_TEST_MESSAGE("minor page faults for 5 x 64 MiB allocations after the first: " << after - before);
+  BOOST_TEST(after - before < 1000);  // fresh mmaps would fault 5 x 16384 pages
 }

@@ -36,6 +36,9 @@ struct TrainLoopOptions {
   TORCH_ARG(std::vector<std::shared_ptr<Metric>>, metrics) = {};
   /// Stop with an error when the epoch's training loss is NaN or infinite (every rank agrees).
   TORCH_ARG(bool, stop_on_non_finite_loss) = true;
+  /// Intra-op threads of each process (each replica in DataParallel); 0 chooses from the usable
+  /// cores (threads/cpu_threads.hpp). OMP_NUM_THREADS, when set, wins over both.
+  TORCH_ARG(int, num_threads) = 0;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief Throws trainloop::Error naming the first option that is out of range.
@@ -48,6 +51,7 @@ struct TrainLoopOptions {
                     "; expected 1 or more");
     TRAINLOOP_CHECK(clip_grad_norm_ >= 0.0, "clip_grad_norm is ", clip_grad_norm_, "; expected 0 (off) or a positive norm");
     for (const auto& metric : metrics_) TRAINLOOP_CHECK(metric != nullptr, "a metric in the options is null");
+    TRAINLOOP_CHECK(num_threads_ >= 0, "num_threads is ", num_threads_, "; expected 0 (automatic) or a positive count");
   }
   /// @brief The evaluation batch size after applying the 0 = batch_size rule.
   int64_t effective_eval_batch_size() const { return eval_batch_size_ > 0 ? eval_batch_size_ : batch_size_; }

@@ -13,6 +13,8 @@
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/cpu/allocator.hpp>
+#include <trainloop/cpu/threads.hpp>
 
 #include <torch/torch.h>
 
@@ -180,6 +182,8 @@ class TrainLoop {
   template <class F>
   decltype(auto) with_prepared_engine(F&& f) {
     return with_engine([&](auto& mode_engine) -> decltype(auto) {
+      cpu::requested_threads().store(options_.num_threads());
+      cpu::keep_freed_memory();  // page faults, not compute, dominated CPU epochs without it
       mode_engine.prepare();
       return f(mode_engine);
     });

@@ -8,6 +8,8 @@
 
 #include <trainloop/error.hpp>
 
+#include <ATen/Config.h>
+#include <ATen/Parallel.h>
 #include <torch/arg.h>
 #include <torch/data/example.h>
 #include <torch/types.h>
@@ -257,6 +259,9 @@ class BatchLoader {
     if (workers == 0) return;
     slots_ = std::vector<Slot>(options_.prefetch_factor() * workers);
     workers_.reserve(workers);
+    // libtorch sets a thread's OpenMP count lazily from a process-wide value that a worker's
+    // at::set_num_threads(1) changes: read ours first, so the training thread keeps its count.
+    at::get_num_threads();
     for (size_t i = 0; i < workers; ++i) workers_.emplace_back([this] { work(); });
   }
 
@@ -274,6 +279,12 @@ class BatchLoader {
   /// A worker claims the lowest unclaimed batch once it is within the prefetch window, so the
   /// slot it fills (batch % window) has already been emptied by the consumer.
   void work() {
+#if AT_PARALLEL_OPENMP
+    // Assembling a batch (index_select, stack) is light: one thread each, so loader workers do not
+    // start OpenMP teams that would take cores from the training threads. (With libtorch's native
+    // pool the count is process-wide, so it is left alone.)
+    at::set_num_threads(1);
+#endif
     while (true) {
       size_t batch = 0;
       {

@@ -160,6 +160,7 @@ inline std::vector<std::string> Launcher::child_environment(int local_rank) cons
   const auto& o = options_;
   EnvVars overrides;
   if (auto threads = omp_num_threads_for_children(o.nprocs())) overrides["OMP_NUM_THREADS"] = *threads;
+  if (auto blas = blas_threads_for_children()) overrides["OPENBLAS_NUM_THREADS"] = *blas;
   for (const auto& [name, value] : o.env()) overrides[name] = value;
   overrides[env_names::rank] = std::to_string(o.node_rank() * o.nprocs() + local_rank);
   overrides[env_names::world_size] = std::to_string(o.nnodes() * o.nprocs());

@@ -78,7 +78,8 @@ namespace gpu_mode {
 /// (checked: tests/test_data_parallel.cpp). With the native thread-pool backend the count is
 /// process-wide, so it is left alone. OpenBLAS (Debian's BLAS) keeps one process-wide pool that
 /// at::set_num_threads does not reach and that concurrent callers busy-wait on; while a batch runs
-/// on the replicas its thread count is set to the same per-replica count, and restored after.
+/// on the replicas it is set to 1 thread (libtorch already splits each replica's work over the
+/// replica's threads; see cpu/threads.hpp), and restored after.
 ///
 /// **Requirements.** The criterion and the model's forward are called from several threads at
 /// once (on different replicas): they must not mutate shared state (libtorch's loss modules and
@@ -151,8 +152,8 @@ namespace detail {
 /// Intra-op threads each of `replicas` workers sets, or 0 to leave libtorch's choice alone.
 inline int data_parallel_threads_per_replica(const gpu_mode::DataParallel& mode, size_t replicas) {
   if (mode.threads_per_replica() > 0) return mode.threads_per_replica();
-  if (dist::omp_num_threads_from_env()) return 0;  // the user's choice wins
-  return std::max(1, dist::usable_cpu_count() / static_cast<int>(replicas));
+  if (cpu::omp_num_threads_from_env()) return 0;  // the user's choice wins
+  return cpu::intra_op_threads_for(static_cast<int>(replicas));
 }
 
 /// The engine of gpu_mode::DataParallel (see the policy's documentation for the behaviour).
@@ -285,7 +286,8 @@ class DataParallelEngine {
     replicas_->copy_to_replicas(/*only_changed=*/true);
     const at::ThreadLocalState caller_state;  // grad mode, inference mode, autocast keys
     // OpenBLAS's one process-wide pool would make concurrent replicas spin for each other's helpers.
-    const ScopedBlasThreads blas_threads(threads_per_replica_);
+    // One BLAS thread per replica: libtorch already splits the work over the replica's threads.
+    const ScopedBlasThreads blas_threads(threads_per_replica_ > 0 ? 1 : 0);
     auto errors = pool_->run(count, [&](size_t r) {
       at::ThreadLocalStateGuard same_state(caller_state);
       c10::OptionalDeviceGuard device_guard;

@@ -5,6 +5,7 @@
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/cpu/threads.hpp>
 
 #include <torch/torch.h>
 
@@ -68,7 +69,12 @@ class SingleEngine {
   bool any_rank(bool flag) { return flag; }
   void barrier() {}
 
-  void prepare() { module_->to(device_); }
+  /// Places the model, and gives this process its share of the cores (threads/cpu_threads.hpp):
+  /// a CPU model trains with every usable core and a one-thread OpenBLAS pool by default.
+  void prepare() {
+    if (device_.is_cpu()) cpu::configure_single_process();
+    module_->to(device_);
+  }
   void begin_fit(torch::optim::Optimizer&) { prepare(); }
   void end_fit() noexcept {}
 
