@@ -19,20 +19,9 @@
 #   EXPECT_ABI_FLAG       TRUE when libtorch's TORCH_CXX_FLAGS carry -D_GLIBCXX_USE_CXX11_ABI (1.13; not 2.11)
 cmake_minimum_required(VERSION 3.18)
 
-foreach(var TRAINLOOP_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR)
-  if(NOT DEFINED ${var})
-    message(FATAL_ERROR "trainloopCheckImport.cmake: -D${var}=... is required")
-  endif()
-endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/trainloopConsumerCheck.cmake")
+trainloop_require_variables(trainloopCheckImport.cmake TRAINLOOP_BUILD_DIR CONSUMER_SOURCE_DIR WORK_DIR)
 
-# Takes the command as a list *variable*: passing it through ARGN would split the escaped
-# semicolons of -DCMAKE_PREFIX_PATH=a;b into separate arguments.
-function(run_step what command_var)
-  execute_process(COMMAND ${${command_var}} RESULT_VARIABLE status)
-  if(NOT status EQUAL 0)
-    message(FATAL_ERROR "cmake_import: ${what} failed (exit status ${status})")
-  endif()
-endfunction()
 
 set(prefix "${WORK_DIR}/prefix")
 set(consumer_build "${WORK_DIR}/build")
@@ -44,7 +33,7 @@ file(MAKE_DIRECTORY "${WORK_DIR}")
 set(staging "${WORK_DIR}/staging")
 message(STATUS "cmake_import: installing ${TRAINLOOP_BUILD_DIR} into ${staging}, then moving it to ${prefix}")
 set(install_command "${CMAKE_COMMAND}" --install "${TRAINLOOP_BUILD_DIR}" --prefix "${staging}")
-run_step("cmake --install" install_command)
+trainloop_run_step("cmake_import" "cmake --install" install_command)
 file(RENAME "${staging}" "${prefix}")
 
 set(config_dir "${prefix}/lib/cmake/trainloop")
@@ -99,23 +88,12 @@ set(configure_command "${CMAKE_COMMAND}" -E env "CMAKE_PREFIX_PATH=${prefix_path
   -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
   # Only the fresh prefix may provide trainloop: no package registry, no stray trainloop_DIR.
   -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON)
-if(GENERATOR)
-  list(APPEND configure_command -G "${GENERATOR}")
-endif()
-if(MAKE_PROGRAM)
-  list(APPEND configure_command "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
-endif()
-if(CXX_COMPILER)
-  list(APPEND configure_command "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
-endif()
-if(GLOO_INCLUDE_DIR)
-  list(APPEND configure_command "-DTRAINLOOP_GLOO_INCLUDE_DIR=${GLOO_INCLUDE_DIR}")
-endif()
+trainloop_append_build_options(configure_command)
 if(BUILD_TYPE)
   list(APPEND configure_command "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")
 endif()
 message(STATUS "cmake_import: configuring the consumer with CMAKE_PREFIX_PATH=${prefix_path}")
-run_step("configuring the consumer" configure_command)
+trainloop_run_step("cmake_import" "configuring the consumer" configure_command)
 
 # find_package must have used the package just installed, not another copy.
 file(STRINGS "${consumer_build}/CMakeCache.txt" found_dir REGEX "^trainloop_DIR:")
@@ -128,7 +106,7 @@ endif()
 
 message(STATUS "cmake_import: building the consumer")
 set(build_command "${CMAKE_COMMAND}" --build "${consumer_build}")
-run_step("building the consumer" build_command)
+trainloop_run_step("cmake_import" "building the consumer" build_command)
 
 # What the interface must put on the consumer's compile line.
 file(READ "${consumer_build}/compile_commands.json" commands)
@@ -159,5 +137,5 @@ if(NOT EXISTS "${program}")
 endif()
 message(STATUS "cmake_import: running ${program}")
 set(run_command "${program}")
-run_step("running the consumer" run_command)
+trainloop_run_step("cmake_import" "running the consumer" run_command)
 message(STATUS "cmake_import: the installed package works")

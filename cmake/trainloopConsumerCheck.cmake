@@ -1,0 +1,40 @@
+# Pieces shared by the scripts that build a consumer project in a test (trainloopCheckImport.cmake,
+# trainloopCheckSubdirectory.cmake), run as `cmake -P`.
+
+# Fails with FATAL_ERROR when a required -D variable is missing.
+function(trainloop_require_variables script)
+  foreach(var IN LISTS ARGN)
+    if(NOT DEFINED ${var})
+      message(FATAL_ERROR "${script}: -D${var}=... is required")
+    endif()
+  endforeach()
+endfunction()
+
+# Runs the command held in the list *variable* `command_var` (passing it through ARGN would split
+# the escaped semicolons of -DCMAKE_PREFIX_PATH=a;b into separate arguments); FATAL_ERROR naming
+# `label` and `what` when it fails.
+function(trainloop_run_step label what command_var)
+  execute_process(COMMAND ${${command_var}} RESULT_VARIABLE status)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "${label}: ${what} failed (exit status ${status})")
+  endif()
+endfunction()
+
+# Appends to the list `command_var` the options that make the consumer build like trainloop's
+# own build: GENERATOR, MAKE_PROGRAM, CXX_COMPILER, GLOO_INCLUDE_DIR (each when set).
+function(trainloop_append_build_options command_var)
+  set(command ${${command_var}})
+  if(GENERATOR)
+    list(APPEND command -G "${GENERATOR}")
+  endif()
+  if(MAKE_PROGRAM)
+    list(APPEND command "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
+  endif()
+  if(CXX_COMPILER)
+    list(APPEND command "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+  endif()
+  if(GLOO_INCLUDE_DIR)
+    list(APPEND command "-DTRAINLOOP_GLOO_INCLUDE_DIR=${GLOO_INCLUDE_DIR}")
+  endif()
+  set(${command_var} ${command} PARENT_SCOPE)
+endfunction()
