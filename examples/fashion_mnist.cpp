@@ -4,6 +4,7 @@
 //   fashion_mnist --epochs 4 --batch-size 64 --device cpu --data /usr/share/datasets/fashion-mnist
 //   fashion_mnist --epochs 4 --checkpoint-dir runs/fmnist            # a checkpoint after every epoch
 //   fashion_mnist --epochs 4 --checkpoint-dir runs/fmnist --resume   # continue a killed run
+//   fashion_mnist --epochs 4 --tensorboard runs/fmnist --plot runs/fmnist/curves.png
 
 #include "fashion_net.hpp"
 
@@ -30,6 +31,8 @@ int main(int argc, char** argv) {
   std::string checkpoint_dir;
   bool resume = false;
   int64_t train_samples = 0;
+  std::string tensorboard_dir;
+  std::string plot_png;
   app.add_option("--gpu-mode", gpu_mode, "single, dp or ddp");
   app.add_option("--epochs", epochs, "training epochs")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "samples per batch (per rank in ddp)");
@@ -44,6 +47,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-dir", checkpoint_dir,
                  "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
   app.add_flag("--resume", resume, "continue from the newest checkpoint in --checkpoint-dir (if there is one)");
+  app.add_option("--tensorboard", tensorboard_dir, "write TensorBoard scalars (loss, metrics, learning rate) into this directory");
+  app.add_option("--plot", plot_png, "draw the training curves into this PNG (and an SVG beside it) when training ends");
   app.add_option("--train-samples", train_samples, "train on the first N training images only (0: all 60000)")
       ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
@@ -88,6 +93,8 @@ int main(int argc, char** argv) {
 
     trainloop::CallbackList callbacks{std::make_shared<trainloop::ProgressBar>()};
     if (!history_csv.empty()) callbacks.push_back(std::make_shared<trainloop::CsvLogger>(history_csv));
+    if (!tensorboard_dir.empty()) callbacks.push_back(std::make_shared<trainloop::TensorBoardLogger>(tensorboard_dir));
+    if (!plot_png.empty()) callbacks.push_back(std::make_shared<trainloop::TrainingPlot>(plot_png));
     if (!checkpoint_dir.empty()) {
       callbacks.push_back(std::make_shared<trainloop::ModelCheckpoint>(trainloop::ModelCheckpointOptions(checkpoint_dir)
                                                                           .every_n_epochs(1)

@@ -16,6 +16,8 @@ packages=(
   build-essential cmake            # compiler, CMake >= 3.18
   libtorch-dev libgloo-dev         # libtorch 1.13 (CPU) and its Gloo backend headers
   librange-v3-dev zlib1g-dev       # header dependencies of trainloop::trainloop
+  libjpeg62-turbo-dev libpng-dev   # ImageFolder's JPEG and PNG decoding (optional for users)
+  libcairo2-dev                    # training-curve plots as PNG (optional for users; SVG without)
   libopenblas0-pthread             # fast BLAS for libtorch (the reference BLAS is ~13x slower)
   libboost-test-dev                # tests
   libcli11-dev                     # command line of the examples and benchmarks
@@ -25,6 +27,7 @@ packages=(
 )
 benchmark_packages=(
   python3-torch                    # PyTorch 1.13, the Python peer of the benchmarks
+  python3-torchvision              # torchvision's ImageFolder + DataLoader, the image_folder benchmark's peer
 )
 
 want_benchmarks=0

@@ -8,10 +8,13 @@
 #include <trainloop/callbacks/csv_logger.hpp>
 #include <trainloop/callbacks/model_checkpoint.hpp>
 #include <trainloop/callbacks/progress_bar.hpp>
+#include <trainloop/callbacks/tensorboard_logger.hpp>
+#include <trainloop/callbacks/training_plot.hpp>
 #include <trainloop/cpu/allocator.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/fashion_mnist.hpp>
+#include <trainloop/data/image_folder.hpp>
 #include <trainloop/data/tensor_dataset.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/distributed/rank_session.hpp>

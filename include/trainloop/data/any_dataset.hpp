@@ -50,12 +50,20 @@ class AnyDataset {
                     "argument, torch::data::Example<> by default)");
       return Collate::apply(dataset->get_batch(indices));
     };
+    if constexpr (requires { dataset->set_epoch(uint64_t{}); }) {
+      set_epoch_ = [dataset](uint64_t epoch) { dataset->set_epoch(epoch); };
+    }
   }
 
   /// @brief True when a dataset is held.
   bool has_value() const { return static_cast<bool>(get_batch_); }
   /// @brief Number of samples.
   size_t size() const { return size_; }
+  /// @brief Tells a dataset with epoch-dependent samples (random augmentation: ImageFolder) which
+  /// epoch is being read; the training loop calls it before each epoch. No-op for other datasets.
+  void set_epoch(uint64_t epoch) const {
+    if (set_epoch_) set_epoch_(epoch);
+  }
   /// @brief The batch for `indices` (in that order).
   Batch get_batch(c10::ArrayRef<size_t> indices) const {
     TRAINLOOP_CHECK(has_value(), "no dataset was given");
@@ -64,6 +72,7 @@ class AnyDataset {
 
  private:
   std::function<Batch(c10::ArrayRef<size_t>)> get_batch_;
+  std::function<void(uint64_t)> set_epoch_;
   size_t size_ = 0;
 };
 

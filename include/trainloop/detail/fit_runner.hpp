@@ -353,6 +353,7 @@ class FitRunner {
     torch::Tensor last_loss;
     state.last_loss = [&last_loss] { return last_loss.defined() ? last_loss.item<double>() : 0.0; };
 
+    train_.set_epoch(static_cast<uint64_t>(state.epoch));  // augmentations drawn for this epoch
     const uint64_t start_position = progress_.samples_into_epoch;
     auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed, start_position);
     const int64_t remaining_samples = static_cast<int64_t>(indices.size());

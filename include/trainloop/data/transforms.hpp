@@ -1,0 +1,169 @@
+#pragma once
+/// @file
+/// @brief Image transforms composed like torchvision's: resize, center crop, random resized crop,
+/// random horizontal flip, then to a float tensor (C x H x W in [0, 1]) and normalize.
+///
+/// @code
+/// auto train = trainloop::data::Transforms().random_resized_crop(28).random_horizontal_flip()
+///                  .normalize({0.2860}, {0.3530});
+/// auto test  = trainloop::data::Transforms().resize(32).center_crop(28).normalize({0.2860}, {0.3530});
+/// @endcode
+///
+/// Random steps draw from a generator seeded by (seed, epoch, sample index): the same sample gets
+/// the same augmentation in every run and in every mode (DDP ranks, DataParallel replicas, loader
+/// workers), whichever process or thread decodes it, and another one in the next epoch.
+
+#include <trainloop/data/image.hpp>
+#include <trainloop/error.hpp>
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainloop::data {
+
+/// @brief The random stream of one sample in one epoch (SplitMix64-style mixing of the three keys,
+/// so neighbouring indices and epochs give unrelated streams).
+inline std::mt19937_64 sample_generator(uint64_t seed, uint64_t epoch, uint64_t index) {
+  auto mix = [](uint64_t x) {
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+  };
+  return std::mt19937_64(mix(seed ^ mix(epoch ^ mix(index))));
+}
+
+/// @brief A uniform double in [0, 1) from 53 bits of the generator (the same on every platform,
+/// unlike std::uniform_real_distribution).
+inline double uniform01(std::mt19937_64& generator) { return static_cast<double>(generator() >> 11) * 0x1.0p-53; }
+
+/// @brief A pipeline of image steps, then conversion to a tensor and normalization.
+class Transforms {
+ public:
+  /// One geometric step on the image, with the sample's generator.
+  using Step = std::function<Image(Image, std::mt19937_64&)>;
+
+  /// @brief Resizes so the shorter side is `size` (torchvision's Resize(int)).
+  Transforms& resize(int64_t size) {
+    TRAINLOOP_CHECK(size > 0, "resize(", size, "); expected a positive size");
+    steps_.push_back([size](Image image, std::mt19937_64&) {
+      if (image.height <= image.width) {
+        return data::resize(image, size, std::max<int64_t>(1, std::lround(static_cast<double>(size) * image.width / image.height)));
+      }
+      return data::resize(image, std::max<int64_t>(1, std::lround(static_cast<double>(size) * image.height / image.width)), size);
+    });
+    min_size_ = std::max(min_size_, size);
+    return *this;
+  }
+  /// @brief Resizes to exactly height x width.
+  Transforms& resize(int64_t height, int64_t width) {
+    steps_.push_back([height, width](Image image, std::mt19937_64&) { return data::resize(image, height, width); });
+    min_size_ = std::max({min_size_, height, width});
+    return *this;
+  }
+  /// @brief The central `size` x `size` square (padded with zeros when the image is smaller).
+  Transforms& center_crop(int64_t size) {
+    TRAINLOOP_CHECK(size > 0, "center_crop(", size, "); expected a positive size");
+    steps_.push_back([size](Image image, std::mt19937_64&) {
+      if (image.height < size || image.width < size) image = pad_to(image, size);
+      return crop(image, (image.height - size) / 2, (image.width - size) / 2, size, size);
+    });
+    min_size_ = std::max(min_size_, size);
+    return *this;
+  }
+  /// @brief torchvision's RandomResizedCrop: a random area fraction in `scale` and aspect ratio in
+  /// `ratio` (log-uniform), 10 tries, else a central crop; resized to `size` x `size`.
+  Transforms& random_resized_crop(int64_t size, std::pair<double, double> scale = {0.08, 1.0},
+                                  std::pair<double, double> ratio = {3.0 / 4.0, 4.0 / 3.0}) {
+    TRAINLOOP_CHECK(size > 0 && scale.first > 0 && scale.first <= scale.second && ratio.first > 0 &&
+                        ratio.first <= ratio.second,
+                    "random_resized_crop(", size, ", scale [", scale.first, ", ", scale.second, "], ratio [", ratio.first,
+                    ", ", ratio.second, "]); expected a positive size and ordered positive ranges");
+    steps_.push_back([size, scale, ratio](Image image, std::mt19937_64& generator) {
+      const double area = static_cast<double>(image.height * image.width);
+      for (int attempt = 0; attempt < 10; ++attempt) {
+        const double target = area * (scale.first + (scale.second - scale.first) * uniform01(generator));
+        const double log_ratio = std::log(ratio.first) + (std::log(ratio.second) - std::log(ratio.first)) * uniform01(generator);
+        const double aspect = std::exp(log_ratio);
+        const auto width = static_cast<int64_t>(std::lround(std::sqrt(target * aspect)));
+        const auto height = static_cast<int64_t>(std::lround(std::sqrt(target / aspect)));
+        if (width > 0 && height > 0 && width <= image.width && height <= image.height) {
+          const auto top = static_cast<int64_t>(uniform01(generator) * static_cast<double>(image.height - height + 1));
+          const auto left = static_cast<int64_t>(uniform01(generator) * static_cast<double>(image.width - width + 1));
+          return data::resize(crop(image, top, left, height, width), size, size);
+        }
+      }
+      const int64_t side = std::min(image.height, image.width);
+      return data::resize(crop(image, (image.height - side) / 2, (image.width - side) / 2, side, side), size, size);
+    });
+    min_size_ = std::max(min_size_, size);
+    return *this;
+  }
+  /// @brief Mirrors the image left to right with probability `p`.
+  Transforms& random_horizontal_flip(double p = 0.5) {
+    TRAINLOOP_CHECK(p >= 0.0 && p <= 1.0, "random_horizontal_flip(", p, "); expected a probability in [0, 1]");
+    steps_.push_back([p](Image image, std::mt19937_64& generator) {
+      return uniform01(generator) < p ? flip_horizontal(std::move(image)) : image;
+    });
+    return *this;
+  }
+  /// @brief After conversion to [0, 1]: (x - mean[c]) / std[c] per channel (one value: every channel).
+  Transforms& normalize(std::vector<double> mean, std::vector<double> std) {
+    TRAINLOOP_CHECK(!mean.empty() && mean.size() == std.size(), "normalize with ", mean.size(), " means and ", std.size(),
+                    " standard deviations; expected as many of each, one per channel or one for all");
+    for (double s : std) TRAINLOOP_CHECK(s > 0.0, "normalize std ", s, "; expected positive values");
+    mean_ = std::move(mean);
+    std_ = std::move(std);
+    return *this;
+  }
+
+  /// @brief The smallest side the geometric steps need of the decoded image: a JPEG may be decoded
+  /// down to it (0: no step asked for a size).
+  int64_t min_size() const { return min_size_; }
+
+  /// @brief Applies every step with the sample's generator, then converts to a C x H x W float
+  /// tensor in [0, 1], normalized.
+  torch::Tensor apply(Image image, std::mt19937_64& generator) const {
+    for (const auto& step : steps_) image = step(std::move(image), generator);
+    auto tensor = torch::from_blob(image.pixels.data(), {image.height, image.width, image.channels}, torch::kUInt8)
+                      .permute({2, 0, 1})
+                      .to(torch::kFloat32)
+                      .div_(255.0);
+    if (!mean_.empty()) {
+      const auto channels = image.channels;
+      TRAINLOOP_CHECK(mean_.size() == 1 || static_cast<int64_t>(mean_.size()) == channels, "normalize has ",
+                      mean_.size(), " means for an image of ", channels, " channels; expected 1 or ", channels);
+      for (int64_t c = 0; c < channels; ++c) {
+        const size_t k = mean_.size() == 1 ? 0 : static_cast<size_t>(c);
+        tensor[c].sub_(mean_[k]).div_(std_[k]);
+      }
+    }
+    return tensor.contiguous();
+  }
+
+ private:
+  /// `image` centred in a zero image of at least `size` x `size`.
+  static Image pad_to(const Image& image, int64_t size) {
+    Image out = Image::blank(std::max(image.height, size), std::max(image.width, size), image.channels);
+    const int64_t top = (out.height - image.height) / 2, left = (out.width - image.width) / 2;
+    for (int64_t y = 0; y < image.height; ++y) {
+      std::copy(image.pixels.begin() + static_cast<std::ptrdiff_t>(y * image.width * image.channels),
+                image.pixels.begin() + static_cast<std::ptrdiff_t>((y + 1) * image.width * image.channels),
+                out.pixels.begin() + static_cast<std::ptrdiff_t>(((top + y) * out.width + left) * image.channels));
+    }
+    return out;
+  }
+
+  std::vector<Step> steps_;
+  std::vector<double> mean_, std_;
+  int64_t min_size_ = 0;
+};
+
+}  // namespace trainloop::data
