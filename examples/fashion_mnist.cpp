@@ -5,6 +5,9 @@
 //   fashion_mnist --epochs 4 --checkpoint-dir runs/fmnist            # a checkpoint after every epoch
 //   fashion_mnist --epochs 4 --checkpoint-dir runs/fmnist --resume   # continue a killed run
 //   fashion_mnist --epochs 4 --tensorboard runs/fmnist --plot runs/fmnist/curves.png
+//   fashion_mnist --epochs 4 --schedule one-cycle --max-lr 3e-3      # fastai's fit_one_cycle
+//   fashion_mnist --lr-find                                            # print a suggested lr and exit
+//   fashion_mnist --epochs 4 --precision bf16 --early-stop-patience 2
 
 #include "fashion_net.hpp"
 
@@ -33,6 +36,11 @@ int main(int argc, char** argv) {
   int64_t train_samples = 0;
   std::string tensorboard_dir;
   std::string plot_png;
+  std::string schedule = "constant";
+  double max_lr = 0.0;
+  std::string precision = "fp32";
+  int64_t early_stop_patience = 0;
+  bool lr_find = false;
   app.add_option("--gpu-mode", gpu_mode, "single, dp or ddp");
   app.add_option("--epochs", epochs, "training epochs")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "samples per batch (per rank in ddp)");
@@ -51,6 +59,14 @@ int main(int argc, char** argv) {
   app.add_option("--plot", plot_png, "draw the training curves into this PNG (and an SVG beside it) when training ends");
   app.add_option("--train-samples", train_samples, "train on the first N training images only (0: all 60000)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule", schedule, "learning-rate schedule per step: constant, one-cycle or flat-cos")
+      ->check(CLI::IsMember({"constant", "one-cycle", "flat-cos"}));
+  app.add_option("--max-lr", max_lr, "peak learning rate of one-cycle / flat-cos (default: --lr)")->check(CLI::NonNegativeNumber);
+  app.add_option("--precision", precision, "fp32, bf16 (autocast, CPU or CUDA) or fp16 (autocast + loss scaling, CUDA)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_option("--early-stop-patience", early_stop_patience,
+                 "stop when test accuracy has not improved for N epochs (0: never)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--lr-find", lr_find, "run the learning-rate finder, print the suggested learning rate and exit");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -87,11 +103,35 @@ int main(int argc, char** argv) {
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));
     trainloop::TrainLoop<FashionNet, trainloop::gpu_mode::Any> loop(
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),
-        trainloop::TrainLoopOptions().batch_size(batch_size).num_workers(workers).seed(seed).metrics(
-            {std::make_shared<trainloop::Accuracy>()}),
+        trainloop::TrainLoopOptions()
+            .batch_size(batch_size)
+            .num_workers(workers)
+            .seed(seed)
+            .precision(trainloop::parse_precision(precision))
+            .metrics({std::make_shared<trainloop::Accuracy>()}),
         mode);
 
-    trainloop::CallbackList callbacks{std::make_shared<trainloop::ProgressBar>()};
+    if (lr_find) {
+      const auto found = loop.lr_find();
+      if (loop.is_main()) {
+        std::cout << "lr_find: " << found.learning_rates.size() << " steps from " << found.learning_rates.front() << " to "
+                  << found.learning_rates.back() << (found.diverged ? " (stopped: the loss diverged)" : "")
+                  << "\nsuggested lr " << found.valley << " (valley); steepest " << found.steepest << ", minimum/10 "
+                  << found.minimum_tenth << '\n';
+      }
+      return 0;
+    }
+
+    trainloop::CallbackList callbacks;
+    const double peak = max_lr > 0.0 ? max_lr : learning_rate;
+    if (schedule == "one-cycle") callbacks.push_back(std::make_shared<trainloop::OneCycle>(trainloop::OneCycleOptions(peak)));
+    if (schedule == "flat-cos") callbacks.push_back(std::make_shared<trainloop::FlatCos>(trainloop::FlatCosOptions(peak)));
+    if (early_stop_patience > 0) {
+      callbacks.push_back(std::make_shared<trainloop::EarlyStopping>(trainloop::EarlyStoppingOptions("val_accuracy")
+                                                                         .mode(trainloop::MonitorMode::Max)
+                                                                         .patience(early_stop_patience)));
+    }
+    callbacks.push_back(std::make_shared<trainloop::ProgressBar>());
     if (!history_csv.empty()) callbacks.push_back(std::make_shared<trainloop::CsvLogger>(history_csv));
     if (!tensorboard_dir.empty()) callbacks.push_back(std::make_shared<trainloop::TensorBoardLogger>(tensorboard_dir));
     if (!plot_png.empty()) callbacks.push_back(std::make_shared<trainloop::TrainingPlot>(plot_png));
@@ -111,7 +151,7 @@ int main(int argc, char** argv) {
     const auto& result = *history.last().validation;
     std::cout << mode.name() << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss << ", "
               << result.samples << " test images) after " << history.epochs.size() << " epochs, "
-              << seconds << " s of training\n";
+              << seconds << " s of training" << (history.stop_reason.empty() ? "" : " (" + history.stop_reason + ")") << '\n';
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << '\n';

@@ -15,6 +15,28 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
+/// The MLP with a batch-norm layer, for sync_batchnorm (test_recipe).
+struct BnMlpImpl : torch::nn::Cloneable<BnMlpImpl> {
+  BnMlpImpl() { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+    bn = register_module("bn", trainloop::nn::SyncBatchNorm(16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(bn(fc1(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  trainloop::nn::SyncBatchNorm bn{nullptr};
+};
+TORCH_MODULE(BnMlp);
+
+/// Parameters and buffers (running statistics) as one flat float tensor.
+inline torch::Tensor flat_state(torch::nn::Module& module) {
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : module.parameters()) flat.push_back(p.detach().flatten().to(torch::kFloat64));
+  for (const auto& b : module.buffers()) flat.push_back(b.detach().flatten().to(torch::kFloat64));
+  return torch::cat(flat);
+}
+
 /// The same data in every process: a seeded 3-class problem.
 inline trainloop::data::TensorDataset make_data(int64_t n, uint64_t seed) {
   auto x = torch::randn({n, 6}, at::detail::createCPUGenerator(seed));

@@ -113,6 +113,28 @@ void reap_every_child(int) {
   }
 }
 
+/// Writes, from every rank, the learning rate of each of its optimizer steps (lrs_rank<r>.txt).
+struct LrRecorder : tl::Callback {
+  std::string dir;
+  std::vector<double> lrs;
+  explicit LrRecorder(std::string d) : dir(std::move(d)) {}
+  void on_before_optimizer_step(tl::TrainState& s) override { lrs.push_back(tl::learning_rate_of(*s.optimizer)); }
+  void on_fit_end(tl::TrainState& s, const tl::History&) override {
+    std::ofstream out(dir + "/lrs_rank" + std::to_string(s.rank) + ".txt");
+    out.precision(17);
+    for (double lr : lrs) out << lr << '\n';
+  }
+};
+
+/// Writes, from every rank, the global step and epochs at the end of the fit (stop_rank<r>.txt).
+struct StopRecorder : tl::Callback {
+  std::string dir;
+  explicit StopRecorder(std::string d) : dir(std::move(d)) {}
+  void on_fit_end(tl::TrainState& s, const tl::History& h) override {
+    std::ofstream(dir + "/stop_rank" + std::to_string(s.rank) + ".txt") << s.global_step << '\n' << h.epochs.size() << '\n';
+  }
+};
+
 void write_eval(std::ofstream& out, const std::string& name, const tl::EvalResult& result) {
   out << name << "_loss " << result.loss << '\n'
       << name << "_samples " << result.samples << '\n'
@@ -180,6 +202,16 @@ int main(int argc, char** argv) {
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
     }
     if (scenario == "stop_on_rank1") callbacks.push_back(std::make_shared<StopOnRank1>());
+    if (scenario == "one_cycle") {  // test_recipe: the schedule on every rank
+      callbacks.push_back(std::make_shared<tl::OneCycle>(tl::OneCycleOptions(0.1)));
+      callbacks.push_back(std::make_shared<LrRecorder>(out_dir));
+      epochs = 2;
+    }
+    if (scenario == "early_stop") {  // test_recipe: a constant "lr" never improves after epoch 1
+      callbacks.push_back(std::make_shared<tl::EarlyStopping>(tl::EarlyStoppingOptions("lr").patience(2)));
+      callbacks.push_back(std::make_shared<StopRecorder>(out_dir));
+      epochs = 10;
+    }
     if (scenario == "twofits") {
       counter = std::make_shared<StepCounter>();
       callbacks.push_back(counter);
@@ -256,6 +288,29 @@ int main(int argc, char** argv) {
                                                                    torch::nn::CrossEntropyLoss(), options, mode);
     tl::EvalResult before;
     if (scenario == "lr_between_fits") before = loop.evaluate(val);
+    if (scenario == "sync_bn") {  // test_recipe: BatchNorm over the global batch (TL_TEST_SYNC_BN=0: per rank)
+      torch::manual_seed(5);
+      BnMlp bn_net;
+      torch::optim::SGD bn_optimizer(bn_net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      const int64_t n = env_number("TL_TEST_SAMPLES", 4 * total_world * 5);
+      tl::TrainLoop<BnMlp, tl::gpu_mode::DistributedDataParallel> bn_loop(
+          bn_net, make_data(n, 1), {}, bn_optimizer, torch::nn::CrossEntropyLoss(),
+          tl::TrainLoopOptions().batch_size(4).shuffle(false).sync_batchnorm(env_number("TL_TEST_SYNC_BN", 1) != 0), mode);
+      bn_loop.fit(1);
+      if (tl::is_main_process()) torch::save(flat_state(*bn_net), out_dir + "/bn_state.pt");
+      return 0;
+    }
+    if (scenario == "lr_find") {  // test_recipe: the sweep in spawned ranks; the caller's model untouched
+      std::vector<torch::Tensor> start;
+      for (const auto& p : net->parameters()) start.push_back(p.detach().clone());
+      auto found = loop.lr_find(tl::LrFinderOptions().num_steps(20));
+      double moved = 0;
+      for (size_t i = 0; i < start.size(); ++i) moved = std::max(moved, (net->parameters()[i] - start[i]).abs().max().item<double>());
+      if (tl::is_main_process()) {
+        std::ofstream(out_dir + "/lr_find.txt") << found.learning_rates.size() << '\n' << found.valley << '\n' << moved << '\n';
+      }
+      return 0;
+    }
     auto history = loop.fit(epochs, callbacks, resume);
     int lowered = 0;
     if (scenario == "twofits" || scenario == "lr_between_fits") {

@@ -191,19 +191,29 @@ BOOST_AUTO_TEST_CASE(csv_logger_writes_one_row_per_epoch) {
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
   tl::TrainLoop<Net> loop(net, blobs(40, 1), blobs(20, 2), optimizer, torch::nn::CrossEntropyLoss(),
                           tl::TrainLoopOptions().batch_size(10).metrics({std::make_shared<tl::Accuracy>()}));
-  auto history = loop.fit(3, {std::make_shared<tl::CsvLogger>(path)});
+  auto logger = std::make_shared<tl::CsvLogger>(path, /*per_step=*/true);
+  auto history = loop.fit(3, {logger});
   std::ifstream in(path);
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   BOOST_REQUIRE_EQUAL(lines.size(), 4u);
-  BOOST_TEST(lines[0] == "epoch,steps,samples,train_loss,train_accuracy,val_loss,val_accuracy,seconds,samples_per_second");
+  BOOST_TEST(lines[0] == "epoch,steps,samples,train_loss,train_accuracy,val_loss,val_accuracy,lr,momentum,seconds,samples_per_second");
   BOOST_TEST(lines[3].rfind("3,4,40,", 0) == 0);
   // The loss column holds the history's value.
   std::istringstream row(lines[2]);
   std::string cell;
   for (int i = 0; i < 4; ++i) std::getline(row, cell, ',');
   BOOST_TEST(std::stod(cell) == history.epochs[1].train_loss, boost::test_tools::tolerance(1e-5));
+  BOOST_TEST(lines[2].find(",1.000000e-01,0.000000,") != std::string::npos);  // lr and momentum of SGD(0.1)
+  // Per step: 3 epochs of 4 steps, each with its lr and loss.
+  std::ifstream steps_in(logger->steps_path());
+  std::vector<std::string> steps;
+  for (std::string line; std::getline(steps_in, line);) steps.push_back(line);
+  BOOST_REQUIRE_EQUAL(steps.size(), 13u);
+  BOOST_TEST(steps[0] == "step,epoch,lr,momentum,loss");
+  BOOST_TEST(steps[12].rfind("12,3,1.000000e-01,0.000000,", 0) == 0);
   std::filesystem::remove(path);
+  std::filesystem::remove(logger->steps_path());
 }
 
 BOOST_AUTO_TEST_CASE(progress_bar_prints_one_plain_line_per_epoch) {

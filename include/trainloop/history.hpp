@@ -27,6 +27,17 @@ struct EpochRecord {
   std::optional<EvalResult> validation;   ///< present when a validation set was given
   double seconds = 0.0;                   ///< wall time of the training part of the epoch
   double samples_per_second = 0.0;        ///< samples / seconds, over all ranks
+  double learning_rate = 0.0;             ///< learning rate (first param group) of the epoch's last step
+  std::optional<double> momentum;         ///< momentum (SGD) or beta1 (Adam, AdamW) of that step, when the optimizer has one
+};
+
+/// @brief One optimizer step, recorded when TrainLoopOptions::record_steps is on.
+struct StepRecord {
+  int64_t step = 0;               ///< global step number, 1-based (the step this record describes)
+  int64_t epoch = 0;              ///< the epoch it belongs to
+  double learning_rate = 0.0;     ///< learning rate (first param group) the step was taken with
+  std::optional<double> momentum;  ///< momentum or Adam's beta1 it was taken with
+  double loss = 0.0;              ///< mean loss of its last micro-batch on this process
 };
 
 /// @brief The per-epoch records of one fit() call.
@@ -34,6 +45,7 @@ struct History {
   std::vector<EpochRecord> epochs;  ///< one record per epoch run (a partial last epoch included)
   int64_t total_steps = 0;          ///< optimizer steps taken by this fit()
   std::string stop_reason;          ///< why fit() ended early (a callback's reason), empty if it did not
+  std::vector<StepRecord> steps;    ///< one record per optimizer step, when TrainLoopOptions::record_steps is on
 
   /// @brief The last epoch's record; throws std::out_of_range when no epoch ran.
   const EpochRecord& last() const { return epochs.at(epochs.size() - 1); }

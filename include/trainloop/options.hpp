@@ -4,6 +4,8 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/metrics/metric.hpp>
+#include <trainloop/precision/grad_scaler.hpp>
+#include <trainloop/precision/precision.hpp>
 
 #include <torch/arg.h>
 
@@ -39,6 +41,18 @@ struct TrainLoopOptions {
   /// Intra-op threads of each process (each replica in DataParallel); 0 chooses from the usable
   /// cores (threads/cpu_threads.hpp). OMP_NUM_THREADS, when set, wins over both.
   TORCH_ARG(int, num_threads) = 0;
+  /// Numeric precision of the forward pass: fp32, bf16 autocast (CPU, CUDA) or fp16 autocast with
+  /// dynamic loss scaling (CUDA) — precision/precision.hpp.
+  TORCH_ARG(Precision, precision) = Precision::fp32;
+  /// The loss scaler's settings for Precision::fp16.
+  TORCH_ARG(GradScalerOptions, grad_scaler) = {};
+  /// Record every optimizer step (learning rate, momentum, loss) in History::steps. Reading the
+  /// loss synchronises with the device once per step.
+  TORCH_ARG(bool, record_steps) = false;
+  /// DDP: the model's trainloop::nn::SyncBatchNorm layers normalise with the statistics of the
+  /// global batch of every rank (nn/sync_batch_norm.hpp). Off: each rank uses its own batch's, as
+  /// torch::nn::BatchNorm does (Lightning's default; fastai's DistributedTrainer turns it on).
+  TORCH_ARG(bool, sync_batchnorm) = false;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief Throws trainloop::Error naming the first option that is out of range.

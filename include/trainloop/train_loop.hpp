@@ -13,6 +13,8 @@
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/callbacks/lr_finder.hpp>
+#include <trainloop/detail/loop_snapshot.hpp>
 #include <trainloop/cpu/allocator.hpp>
 #include <trainloop/cpu/threads.hpp>
 
@@ -127,6 +129,24 @@ class TrainLoop {
     with_prepared_engine(
         [&](auto& mode_engine) { runner().load_checkpoint(mode_engine, path, {}, /*restore_rng=*/true); });
   }
+  /// @brief The learning-rate finder (fastai's lr_find): trains num_steps optimizer steps with
+  /// the learning rate growing exponentially from start_lr to end_lr, records the smoothed loss,
+  /// stops when it diverges (every rank agrees), then puts the model, the optimizer, the progress
+  /// and the random streams back as they were. Works in every mode; under DDP every rank gets
+  /// the same result. See callbacks/lr_finder.hpp for the suggestions.
+  LrFinderResult lr_find(const LrFinderOptions& options = LrFinderOptions()) {
+    auto finder = std::make_shared<LrFinder>(options);
+    const detail::LoopSnapshot before(handle_.module(), optimizer_, progress_);
+    try {
+      fit(FitLength::iterations(options.num_steps()), {finder});
+    } catch (...) {
+      before.restore(handle_.module(), optimizer_, progress_);
+      throw;
+    }
+    before.restore(handle_.module(), optimizer_, progress_);
+    return finder->result();
+  }
+
   /// @brief Every epoch trained so far by this loop (all fits, resumed checkpoints included).
   History history() const { return progress_.visible_history(); }
 

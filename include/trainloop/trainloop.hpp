@@ -6,7 +6,11 @@
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/callbacks/csv_logger.hpp>
+#include <trainloop/callbacks/early_stopping.hpp>
+#include <trainloop/callbacks/lr_finder.hpp>
+#include <trainloop/callbacks/mixup.hpp>
 #include <trainloop/callbacks/model_checkpoint.hpp>
+#include <trainloop/callbacks/monitor.hpp>
 #include <trainloop/callbacks/progress_bar.hpp>
 #include <trainloop/callbacks/tensorboard_logger.hpp>
 #include <trainloop/callbacks/training_plot.hpp>
@@ -26,5 +30,16 @@
 #include <trainloop/metrics/accuracy.hpp>
 #include <trainloop/metrics/metric.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/precision/autocast.hpp>
+#include <trainloop/precision/grad_scaler.hpp>
+#include <trainloop/precision/precision.hpp>
+#include <trainloop/schedules/cosine_warmup.hpp>
+#include <trainloop/schedules/flat_cos.hpp>
+#include <trainloop/schedules/hyperparameters.hpp>
+#include <trainloop/schedules/multi_step.hpp>
+#include <trainloop/schedules/one_cycle.hpp>
+#include <trainloop/schedules/reduce_on_plateau.hpp>
+#include <trainloop/schedules/step_schedule.hpp>
 #include <trainloop/train_loop.hpp>

@@ -8,6 +8,7 @@
 /// |----------------------------|-------------------------------------------------------------------------|
 /// | on_fit_begin               | once, after the mode is prepared (and a checkpoint resumed), before the first epoch |
 /// | on_epoch_begin             | before the first batch of each epoch (also a resumed, partly done one)   |
+/// | on_train_batch             | before each training micro-batch's forward, with its input and target (Example batches): may replace them (MixUp) |
 /// | on_batch_end               | after each training micro-batch's forward and backward                  |
 /// | on_before_optimizer_step   | after the gradients are reduced across replicas/ranks and clipped, before the optimizer step |
 /// | on_step_end                | after each optimizer step (once per accumulation window)                |
@@ -52,7 +53,7 @@ namespace trainloop {
 /// place in the job, and the loop's services (stop, agree, checkpoint).
 struct TrainState {
   // ---- progress -------------------------------------------------------------------------
-  int64_t epoch = 0;              ///< current epoch, 1-based, counted over the loop's life (a second fit() continues)
+  int64_t epoch = 0;              ///< current epoch, 1-based, counted over the loop's life (a second fit() continues); in on_fit_begin the first one about to run
   int64_t first_epoch = 1;        ///< the first epoch of this fit()
   int64_t planned_epochs = 0;     ///< the epoch this fit() ends with (when fitting by iterations: the epoch of its last step)
   int64_t batch = 0;              ///< micro-batches done in this epoch on this process (a resumed epoch counts the earlier ones)
@@ -101,6 +102,10 @@ struct TrainState {
   /// True on every rank if `flag` is true on any. A collective: every rank must call it at the
   /// same point (from a hook that runs on every rank).
   std::function<bool(bool)> any_rank;
+  /// The mean of `value` over every rank (the value itself with one process). A collective, like any_rank.
+  std::function<double(double)> mean_over_ranks;
+  /// Optimizer steps skipped so far because fp16 gradients overflowed (every rank skips the same).
+  int64_t skipped_steps = 0;
   /// Writes a checkpoint of everything needed to resume exactly (model, optimizer, callbacks'
   /// states, progress, random number generators of every rank) to `path`: rank 0 writes it
   /// atomically, every rank learns whether it worked. A collective, like any_rank.
@@ -120,6 +125,10 @@ class Callback {
   virtual void on_fit_begin(TrainState&) {}
   /// @brief Before each epoch's first batch.
   virtual void on_epoch_begin(TrainState&) {}
+  /// @brief Before each training micro-batch's forward, for batches of torch::data::Example<>:
+  /// may replace the input and the target (MixUp mixes samples and turns labels into soft
+  /// targets). Runs on every rank, on this rank's whole micro-batch (before DataParallel splits it).
+  virtual void on_train_batch(TrainState&, torch::Tensor& /*input*/, torch::Tensor& /*target*/) {}
   /// @brief After each training micro-batch (forward and backward done).
   virtual void on_batch_end(TrainState&) {}
   /// @brief After the gradients are reduced (and clipped), just before the optimizer step: the

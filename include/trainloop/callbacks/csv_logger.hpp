@@ -6,15 +6,20 @@
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/format.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/schedules/hyperparameters.hpp>
 
 #include <filesystem>
+#include <iomanip>
+#include <sstream>
 #include <string>
 #include <vector>
 
 namespace trainloop {
 
 /// @brief Writes one CSV row per finished epoch: epoch, steps, samples, train_loss, train
-/// metrics, validation loss and metrics, seconds, samples_per_second.
+/// metrics, validation loss and metrics, lr, momentum (when the optimizer has one), seconds,
+/// samples_per_second. With `per_step`, also one row per optimizer step (step, epoch, lr,
+/// momentum, loss of its last micro-batch on the main process) in `<name>-steps.csv` beside it.
 ///
 /// The file is rewritten atomically after every epoch (a unique temporary file, fsynced, renamed
 /// into place), so a reader (or a crash) never sees a half-written file. A path that is a
@@ -23,7 +28,8 @@ namespace trainloop {
 class CsvLogger : public Callback {
  public:
   /// @param path the CSV file to write (its directory must exist)
-  explicit CsvLogger(std::filesystem::path path) : path_(std::move(path)) {}
+  /// @param per_step also write one row per optimizer step into `<name>-steps.csv`
+  explicit CsvLogger(std::filesystem::path path, bool per_step = false) : path_(std::move(path)), per_step_(per_step) {}
 
   /// Writes files only from the main process.
   bool main_process_only() const override { return true; }
@@ -34,6 +40,16 @@ class CsvLogger : public Callback {
     { detail::AtomicFile probe(path_, "the CSV history file"); }
     header_.clear();
     rows_.clear();
+    step_rows_.clear();
+  }
+
+  void on_step_end(TrainState& state) override {
+    if (!per_step_) return;
+    const auto momentum = momentum_of(*state.optimizer);
+    step_rows_.push_back(std::to_string(state.global_step) + "," + std::to_string(state.epoch) + "," +
+                         scientific(learning_rate_of(*state.optimizer)) + "," +
+                         (momentum ? detail::fixed(*momentum, 6) : std::string()) + "," +
+                         detail::fixed(state.last_loss(), 6));
   }
 
   void on_epoch_end(TrainState&, const EpochRecord& record) override {
@@ -52,6 +68,12 @@ class CsvLogger : public Callback {
         values.push_back(detail::fixed(value, 6));
       }
     }
+    names.push_back("lr");
+    values.push_back(scientific(record.learning_rate));
+    if (record.momentum) {
+      names.push_back("momentum");
+      values.push_back(detail::fixed(*record.momentum, 6));
+    }
     names.insert(names.end(), {"seconds", "samples_per_second"});
     values.insert(values.end(), {detail::fixed(record.seconds, 3), detail::fixed(record.samples_per_second, 1)});
     if (header_.empty()) header_ = join(names);
@@ -61,8 +83,17 @@ class CsvLogger : public Callback {
 
   /// @brief The file written.
   const std::filesystem::path& path() const { return path_; }
+  /// @brief The per-step file (written when per_step is on).
+  std::filesystem::path steps_path() const {
+    return path_.parent_path() / (path_.stem().string() + "-steps" + path_.extension().string());
+  }
 
  private:
+  static std::string scientific(double value) {
+    std::ostringstream out;
+    out << std::setprecision(6) << std::scientific << value;
+    return out.str();
+  }
   static std::string join(const std::vector<std::string>& cells) {
     std::string line;
     for (size_t i = 0; i < cells.size(); ++i) line += (i ? "," : "") + cells[i];
@@ -72,11 +103,17 @@ class CsvLogger : public Callback {
     std::string text = header_ + '\n';
     for (const auto& row : rows_) text += row + '\n';
     detail::write_file_atomically(path_, text, "the CSV history file");
+    if (!per_step_) return;
+    std::string steps = "step,epoch,lr,momentum,loss\n";
+    for (const auto& row : step_rows_) steps += row + '\n';
+    detail::write_file_atomically(steps_path(), steps, "the CSV step history file");
   }
 
   std::filesystem::path path_;
   std::string header_;
   std::vector<std::string> rows_;
+  bool per_step_ = false;
+  std::vector<std::string> step_rows_;
 };
 
 }  // namespace trainloop

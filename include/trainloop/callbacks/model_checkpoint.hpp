@@ -18,6 +18,7 @@
 /// error naming the path, unless stop_on_error(false) (then it is reported and training goes on).
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/callbacks/monitor.hpp>
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 
@@ -44,11 +45,6 @@
 
 namespace trainloop {
 
-/// @brief Whether a smaller or a larger monitored value is better.
-enum class MonitorMode {
-  Min,  ///< e.g. a loss
-  Max   ///< e.g. an accuracy
-};
 
 /// @brief The checkpoints in `directory`, newest first: `last.ckpt` (when it exists), then the
 /// other `*.ckpt` files by the step, then the epoch, in their names.
@@ -192,35 +188,14 @@ class ModelCheckpoint : public Callback {
   }
 
  private:
-  bool better(double a, double b) const { return options_.mode() == MonitorMode::Min ? a < b : a > b; }
+  bool better(double a, double b) const { return improves(a, b, options_.mode()); }
 
   bool qualifies(double value) const {
     return static_cast<int64_t>(best_.size()) < options_.keep_best() || better(value, best_.back().first);
   }
 
   double monitored_value(const EpochRecord& record) const {
-    const std::string& monitor = options_.monitor();
-    auto metric = [&](const std::map<std::string, double>& metrics, const std::string& name) -> std::optional<double> {
-      auto it = metrics.find(name);
-      if (it == metrics.end()) return std::nullopt;
-      return it->second;
-    };
-    std::optional<double> value;
-    if (monitor == "train_loss") value = record.train_loss;
-    else if (monitor.rfind("train_", 0) == 0) value = metric(record.train_metrics, monitor.substr(6));
-    else if (monitor == "val_loss" && record.validation) value = record.validation->loss;
-    else if (monitor.rfind("val_", 0) == 0 && record.validation) value = metric(record.validation->metrics, monitor.substr(4));
-    if (!value) {
-      std::string names = "train_loss";
-      for (const auto& [name, v] : record.train_metrics) names += ", train_" + name;
-      if (record.validation) {
-        names += ", val_loss";
-        for (const auto& [name, v] : record.validation->metrics) names += ", val_" + name;
-      }
-      throw ConfigurationError(detail::concat("trainloop: ModelCheckpoint monitors '", monitor,
-                                              "', which epoch ", record.epoch, " did not measure; expected one of: ", names));
-    }
-    return *value;
+    return trainloop::monitored_value(record, options_.monitor(), "ModelCheckpoint");
   }
 
   std::optional<std::filesystem::path> save_periodic(TrainState& state) {

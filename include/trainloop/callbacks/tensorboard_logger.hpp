@@ -9,7 +9,7 @@
 /// @endcode
 ///
 /// Tags: per step (every `every_n_steps`) `train/loss_step` and `train/lr` (one per param group:
-/// `train/lr`, `train/lr_group1`, ...); per epoch `train/loss`, `train/<metric>`, `val/loss`,
+/// `train/lr`, `train/lr_group1`, ...) and `train/momentum` (SGD momentum or Adam beta1, if any); per epoch `train/loss`, `train/<metric>`, `val/loss`,
 /// `val/<metric>`, `train/samples_per_second`; the step axis is the global optimizer step.
 ///
 /// The format (hand-written: no Debian package writes it, and it is small): a file
@@ -21,6 +21,7 @@
 /// of fit(); a reader (tests/test_tensorboard.cpp, or TensorBoard) sees complete records only.
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/schedules/hyperparameters.hpp>
 #include <trainloop/error.hpp>
 
 #include <unistd.h>
@@ -198,6 +199,7 @@ class TensorBoardLogger : public Callback {
     for (size_t g = 0; g < rates.size(); ++g) {
       writer_->scalar(g == 0 ? "train/lr" : "train/lr_group" + std::to_string(g), rates[g], state.global_step);
     }
+    if (auto momentum = momentum_of(*state.optimizer)) writer_->scalar("train/momentum", *momentum, state.global_step);
   }
   void on_epoch_end(TrainState& state, const EpochRecord& record) override {
     const int64_t step = state.global_step;

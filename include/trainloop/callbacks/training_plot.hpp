@@ -188,17 +188,47 @@ inline void draw_panels(Canvas& canvas, const std::vector<PlotPanel>& panels, do
     canvas.polyline({{left, top}, {left, bottom}, {right, bottom}}, axis, 1.2);
     canvas.text((left + right) / 2, height - 12, "epoch", 12, 0.5);
     canvas.text((left + right) / 2, 24, panel.title, 15, 0.5, true);
-    double legend_y = top + 14;
+    // Every curve, in pixels; the legend goes into the corner its points cross least.
+    std::vector<std::vector<std::pair<double, double>>> curves;
     for (const auto& [name, values] : panel.series) {
-      const auto color = colors.count(name) ? colors.at(name) : std::array<double, 3>{0.3, 0.3, 0.3};
       std::vector<std::pair<double, double>> points;
       for (size_t i = 0; i < values.size(); ++i) {
         if (std::isfinite(values[i])) points.emplace_back(x_of(static_cast<double>(panel.epochs[i])), y_of(values[i]));
       }
+      curves.push_back(std::move(points));
+    }
+    const double legend_width = 100, legend_height = 17.0 * static_cast<double>(panel.series.size()) + 6;
+    const std::array<std::pair<double, double>, 4> corners{{{right - legend_width, top + 2},
+                                                            {right - legend_width, bottom - legend_height - 4},
+                                                            {left + 12, top + 2},
+                                                            {left + 12, bottom - legend_height - 4}}};
+    auto crossings = [&](const std::pair<double, double>& corner) {
+      int count = 0;
+      for (const auto& points : curves) {
+        for (size_t i = 0; i + 1 < points.size(); ++i) {
+          for (int k = 0; k <= 40; ++k) {  // samples along each segment
+            const double x = points[i].first + (points[i + 1].first - points[i].first) * k / 40.0;
+            const double y = points[i].second + (points[i + 1].second - points[i].second) * k / 40.0;
+            count += x >= corner.first && x <= corner.first + legend_width && y >= corner.second &&
+                     y <= corner.second + legend_height;
+          }
+        }
+      }
+      return count;
+    };
+    auto corner = corners[0];
+    for (const auto& candidate : corners) {
+      if (crossings(candidate) < crossings(corner)) corner = candidate;
+    }
+    double legend_y = corner.second + 12;
+    size_t series_index = 0;
+    for (const auto& [name, values] : panel.series) {
+      const auto color = colors.count(name) ? colors.at(name) : std::array<double, 3>{0.3, 0.3, 0.3};
+      const auto& points = curves[series_index++];
       canvas.polyline(points, color, 2.2);
       for (const auto& [x, y] : points) canvas.dot(x, y, 3.2, color);
-      canvas.polyline({{right - 92, legend_y - 4}, {right - 72, legend_y - 4}}, color, 2.2);
-      canvas.text(right - 66, legend_y, name, 12, 0);
+      canvas.polyline({{corner.first + 8, legend_y - 4}, {corner.first + 28, legend_y - 4}}, color, 2.2);
+      canvas.text(corner.first + 34, legend_y, name, 12, 0);
       legend_y += 17;
     }
   }

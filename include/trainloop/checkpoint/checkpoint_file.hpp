@@ -105,6 +105,7 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
   write_int(archive, "fit_epoch_count", p.fit_epoch_count);
   write_int(archive, "fit_step_count", p.fit_step_count);
   write_int(archive, "fit_finished", p.fit_finished ? 1 : 0);
+  if (p.grad_scaler_state.defined()) archive.write("grad_scaler", p.grad_scaler_state);
 }
 
 /// Writes a checkpoint to `path` atomically. `rng_per_rank[r]` is rank r's capture_rng_state().
@@ -241,6 +242,8 @@ class CheckpointFile {
     p.fit_epoch_count = read_int(a, "fit_epoch_count");
     p.fit_step_count = read_int(a, "fit_step_count");
     p.fit_finished = read_int(a, "fit_finished") != 0;
+    torch::Tensor scaler;
+    if (a.try_read("grad_scaler", scaler)) p.grad_scaler_state = scaler.to(torch::kCPU);
     return p;
   }
 

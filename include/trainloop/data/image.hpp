@@ -86,27 +86,45 @@ inline Image flip_horizontal(Image image) {
 
 /// @brief `image` resized to height x width with bilinear interpolation (half-pixel centres, as
 /// torchvision's resize without antialiasing).
+///
+/// The source columns and weights of every output column are computed once per call, not per
+/// pixel, and the rows are walked through pointers: on 2,000 320x240 JPEGs cropped and resized to
+/// 224x224 this took the whole pipeline from 280 to see benchmarks/README.md images/s per worker.
 inline Image resize(const Image& image, int64_t height, int64_t width) {
   TRAINLOOP_CHECK(height > 0 && width > 0, "resize to ", height, "x", width, "; expected a positive size");
   if (height == image.height && width == image.width) return image;
   Image out = Image::blank(height, width, image.channels);
-  const double scale_y = static_cast<double>(image.height) / static_cast<double>(height);
-  const double scale_x = static_cast<double>(image.width) / static_cast<double>(width);
+  const int64_t channels = image.channels;
+  const float scale_y = static_cast<float>(image.height) / static_cast<float>(height);
+  const float scale_x = static_cast<float>(image.width) / static_cast<float>(width);
+  // Per output column: byte offsets of the two source pixels and the right one's weight.
+  std::vector<int64_t> left(static_cast<size_t>(width)), right(static_cast<size_t>(width));
+  std::vector<float> weight(static_cast<size_t>(width));
+  for (int64_t x = 0; x < width; ++x) {
+    const float sx = std::clamp((static_cast<float>(x) + 0.5f) * scale_x - 0.5f, 0.0f, static_cast<float>(image.width - 1));
+    const auto x0 = static_cast<int64_t>(sx);
+    left[static_cast<size_t>(x)] = x0 * channels;
+    right[static_cast<size_t>(x)] = std::min(x0 + 1, image.width - 1) * channels;
+    weight[static_cast<size_t>(x)] = sx - static_cast<float>(x0);
+  }
+  const int64_t stride = image.width * channels;
   for (int64_t y = 0; y < height; ++y) {
-    const double sy = std::clamp((static_cast<double>(y) + 0.5) * scale_y - 0.5, 0.0, static_cast<double>(image.height - 1));
+    const float sy = std::clamp((static_cast<float>(y) + 0.5f) * scale_y - 0.5f, 0.0f, static_cast<float>(image.height - 1));
     const auto y0 = static_cast<int64_t>(sy);
     const int64_t y1 = std::min(y0 + 1, image.height - 1);
-    const double fy = sy - static_cast<double>(y0);
+    const float fy = sy - static_cast<float>(y0);
+    const uint8_t* upper = image.pixels.data() + y0 * stride;
+    const uint8_t* lower = image.pixels.data() + y1 * stride;
+    uint8_t* row = out.pixels.data() + y * width * channels;
     for (int64_t x = 0; x < width; ++x) {
-      const double sx = std::clamp((static_cast<double>(x) + 0.5) * scale_x - 0.5, 0.0, static_cast<double>(image.width - 1));
-      const auto x0 = static_cast<int64_t>(sx);
-      const int64_t x1 = std::min(x0 + 1, image.width - 1);
-      const double fx = sx - static_cast<double>(x0);
-      for (int64_t c = 0; c < image.channels; ++c) {
-        const double top = image.at(y0, x0, c) * (1 - fx) + image.at(y0, x1, c) * fx;
-        const double bottom = image.at(y1, x0, c) * (1 - fx) + image.at(y1, x1, c) * fx;
-        out.pixels[static_cast<size_t>((y * width + x) * image.channels + c)] =
-            static_cast<uint8_t>(std::clamp(std::lround(top * (1 - fy) + bottom * fy), 0L, 255L));
+      const size_t i = static_cast<size_t>(x);
+      const float fx = weight[i];
+      const uint8_t *a = upper + left[i], *b = upper + right[i], *c = lower + left[i], *d = lower + right[i];
+      for (int64_t k = 0; k < channels; ++k) {
+        const float top = static_cast<float>(a[k]) + (static_cast<float>(b[k]) - static_cast<float>(a[k])) * fx;
+        const float bottom = static_cast<float>(c[k]) + (static_cast<float>(d[k]) - static_cast<float>(c[k])) * fx;
+        const float value = top + (bottom - top) * fy;
+        row[x * channels + k] = static_cast<uint8_t>(std::clamp(value + 0.5f, 0.0f, 255.0f));
       }
     }
   }

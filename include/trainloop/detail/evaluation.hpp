@@ -11,6 +11,7 @@
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/precision/autocast.hpp>
 
 #include <torch/torch.h>
 
@@ -32,7 +33,10 @@ EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyData
   data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
                                                     static_cast<size_t>(options_.effective_eval_batch_size()),
                                                     static_cast<size_t>(options_.num_workers()), false);
-  auto forward = [&criterion_](Module& replica, const Batch& b) { return forward_batch(replica, b, criterion_, false); };
+  auto forward = [&criterion_, &options_, device = engine.device()](Module& replica, const Batch& b) {
+    AutocastGuard autocast(options_.precision(), device);  // evaluated in the precision it trains in
+    return forward_batch(replica, b, criterion_, false);
+  };
   for (auto&& batch : loader) {
     engine.eval_batch(batch, forward, [&](const StepOutput& out) {
       sums.add_loss(out.loss, out.samples);
@@ -63,13 +67,19 @@ torch::Tensor predict_dataset(Engine& engine, Module& module_, const data::AnyDa
   data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
                                                     static_cast<size_t>(options_.effective_eval_batch_size()),
                                                     static_cast<size_t>(options_.num_workers()), false);
-  auto forward = [](Module& replica, const Batch& b) {
+  auto forward = [&options_, device = engine.device()](Module& replica, const Batch& b) {
+    AutocastGuard autocast(options_.precision(), device);
     StepOutput out;
     out.samples = batch_size_of(b);
     if constexpr (HasCustomContract<Module, Batch>) {
       out.output = replica.batch_predictions(b).output;
     } else {
       out.output = replica.forward(b.data);
+    }
+    // Autocast's bf16/fp16 outputs come back as float32, as they would without autocast.
+    const auto type = out.output.scalar_type();
+    if (options_.precision() != Precision::fp32 && (type == torch::kBFloat16 || type == torch::kHalf)) {
+      out.output = out.output.to(torch::kFloat32);
     }
     return out;
   };

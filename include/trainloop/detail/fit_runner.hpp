@@ -19,7 +19,11 @@
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/precision/autocast.hpp>
+#include <trainloop/precision/grad_scaler.hpp>
+#include <trainloop/schedules/hyperparameters.hpp>
 
 #include <torch/torch.h>
 
@@ -31,6 +35,7 @@
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,14 +84,30 @@ class FitRunner {
     TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
     for (const auto& cb : callbacks) TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
     engine.begin_fit(optimizer_);
+    TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
+                    "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
     // What lives only during this fit (DDP's gradient hooks) goes with it, also on an exception.
     struct EndFit {
       Engine& engine;
       ~EndFit() { engine.end_fit(); }
     } end_fit{engine};
 
+    // sync_batchnorm: SyncBatchNorm layers reduce their statistics over the ranks during this fit.
+    std::optional<nn::detail::SyncBatchNormScope> sync_batchnorm;
+    if (options_.sync_batchnorm() && engine.world_size() > 1) {
+      sync_batchnorm.emplace([&engine](torch::Tensor& values) {
+        torch::Tensor on_device = values.to(engine.device());
+        engine.all_reduce_sum(on_device);
+        if (!on_device.is_same(values)) values.copy_(on_device);
+      });
+    }
     const KeyedCallbacks keyed = keyed_callbacks(callbacks);
     const bool resumed = resume_checkpoint(engine, resume, keyed);
+    scaler_.reset();
+    if (options_.precision() == Precision::fp16) {
+      scaler_.emplace(options_.grad_scaler());
+      if (progress_.grad_scaler_state.defined()) scaler_->load_state(progress_.grad_scaler_state);
+    }
     if (!progress_.seeded) {  // the first fit of this loop; later ones continue the random stream
       torch::manual_seed(options_.seed());
       progress_.sampler_seed = options_.seed();
@@ -127,6 +148,7 @@ class FitRunner {
     state.optimizer = &optimizer_;
     state.batches_per_epoch = batches_per_epoch;
     state.first_epoch = progress_.fit_first_epoch;
+    state.epoch = progress_.epochs_completed + 1;  // the epoch about to run (on_fit_begin sees it)
     state.planned_epochs = shown_end_epoch;
     state.planned_steps = length.iteration_count() > 0 ? length.iteration_count()
                                                        : (end_epoch - progress_.fit_first_epoch + 1) * steps_per_epoch;
@@ -135,6 +157,12 @@ class FitRunner {
     History visible = progress_.visible_history();
     state.history = &visible;
     state.any_rank = [&engine](bool flag) { return engine.any_rank(flag); };
+    state.mean_over_ranks = [&engine](double value) {
+      if (engine.world_size() == 1) return value;
+      torch::Tensor sum = torch::full({1}, value, torch::TensorOptions().dtype(torch::kFloat64).device(engine.device()));
+      engine.all_reduce_sum(sum);
+      return sum.item<double>() / static_cast<double>(engine.world_size());
+    };
     state.save_checkpoint = [&](const std::filesystem::path& path) {
       save_checkpoint(engine, keyed, path, engine.is_main());
     };
@@ -350,8 +378,12 @@ class FitRunner {
       ~ForgetSums() { sums = nullptr; }
     } forget_sums{epoch_sums_};
     state.running_loss = [&sums] { return sums.running_loss(); };
+    // The last micro-batch's loss: its shards' losses weighted by their samples (DataParallel sinks
+    // one output per replica), summed lazily so nothing synchronises unless someone asks.
     torch::Tensor last_loss;
-    state.last_loss = [&last_loss] { return last_loss.defined() ? last_loss.item<double>() : 0.0; };
+    int64_t last_samples = 0;
+    bool new_micro_batch = true;
+    state.last_loss = [&] { return last_loss.defined() && last_samples > 0 ? last_loss.item<double>() / last_samples : 0.0; };
 
     train_.set_epoch(static_cast<uint64_t>(state.epoch));  // augmentations drawn for this epoch
     const uint64_t start_position = progress_.samples_into_epoch;
@@ -375,19 +407,37 @@ class FitRunner {
       sums.add_loss(out.loss, out.samples);
       if (out.output.defined() && out.target.defined()) sums.add_outputs(out.output, out.target);
       state.epoch_samples += out.samples * state.world_size;
-      last_loss = out.loss.detach();
+      const auto weighted = out.loss.detach().to(torch::kFloat64) * static_cast<double>(out.samples);
+      if (new_micro_batch || !last_loss.defined()) {
+        last_loss = weighted;
+        last_samples = out.samples;
+        new_micro_batch = false;
+      } else {
+        last_loss = last_loss + weighted.to(last_loss.device());
+        last_samples += out.samples;
+      }
     };
 
     bool complete = true;
     int64_t window_start = batches_done;
-    for (auto&& micro_batch : loader) {
+    // The hyper-parameters of the epoch's last step, for its record (the optimizer's now, if none ran).
+    double step_lr = learning_rate_of(optimizer_);
+    std::optional<double> step_momentum = momentum_of(optimizer_);
+    for (auto&& loaded_batch : loader) {
       const int64_t index = state.batch;
+      Batch micro_batch = std::move(loaded_batch);
+      if constexpr (is_example_batch_v<Batch>) {
+        for (auto& cb : active) cb->on_train_batch(state, micro_batch.data, micro_batch.target);
+      }
       const int64_t window = std::min(accumulation, batches - window_start);
       const bool last_in_window = index + 1 == window_start + window;
-      auto forward = [this, first_batch](Module& replica, const Batch& b) {
+      auto forward = [this, first_batch, device = engine.device()](Module& replica, const Batch& b) {
+        AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
         return forward_batch(replica, b, criterion_, first_batch);
       };
-      engine.train_micro_batch(micro_batch, forward, 1.0 / static_cast<double>(window), last_in_window, sink);
+      const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+      new_micro_batch = true;
+      engine.train_micro_batch(micro_batch, forward, loss_scale / static_cast<double>(window), last_in_window, sink);
       first_batch = false;
       state.batch = index + 1;
       state.epoch_seconds = seconds_before + epoch_clock.seconds();
@@ -396,14 +446,29 @@ class FitRunner {
       if (!last_in_window) continue;
 
       engine.before_optimizer_step();
-      if (options_.clip_grad_norm() > 0.0) torch::nn::utils::clip_grad_norm_(module_.parameters(), options_.clip_grad_norm());
+      // fp16: unscale before clipping; a step with inf/NaN gradients is skipped on every rank.
+      const bool overflow = scaler_ && engine.any_rank(scaler_->unscale(module_.parameters()));
+      if (options_.clip_grad_norm() > 0.0 && !overflow) {
+        torch::nn::utils::clip_grad_norm_(module_.parameters(), options_.clip_grad_norm());
+      }
       for (auto& cb : active) cb->on_before_optimizer_step(state);
-      optimizer_.step();
+      step_lr = learning_rate_of(optimizer_);
+      step_momentum = momentum_of(optimizer_);
+      if (!overflow) optimizer_.step();
+      if (scaler_) {
+        scaler_->update(overflow);
+        progress_.grad_scaler_state = scaler_->state();
+        state.skipped_steps = scaler_->skipped_steps();
+      }
       engine.after_optimizer_step();
       optimizer_.zero_grad();
       ++state.step;
       state.global_step = ++progress_.global_step;
       ++progress_.steps_into_epoch;
+      if (options_.record_steps()) {
+        progress_.history.steps.push_back(
+            StepRecord{progress_.global_step, state.epoch, step_lr, step_momentum, state.last_loss()});
+      }
       window_start = state.batch;
       // Where the epoch stands, for a checkpoint written from on_step_end.
       progress_.batches_into_epoch = state.batch;
@@ -435,6 +500,8 @@ class FitRunner {
     record.train_metrics = values.metrics;
     record.seconds = seconds_before + epoch_clock.seconds();
     record.samples_per_second = record.seconds > 0 ? static_cast<double>(record.samples) / record.seconds : 0.0;
+    record.learning_rate = step_lr;
+    record.momentum = step_momentum;
     state.running_loss = nullptr;
     state.last_loss = nullptr;
     if (complete) {
@@ -465,6 +532,7 @@ class FitRunner {
   TrainingProgress& progress_;
   RunIdentity identity_;
   MetricAccumulator* epoch_sums_ = nullptr;  // the current epoch's sums, while it trains
+  std::optional<GradScaler> scaler_;         // fp16's loss scaler, during a fit
 };
 
 }  // namespace trainloop::detail

@@ -16,7 +16,8 @@
 
 namespace trainloop::detail {
 
-/// One line per epoch: `key value` pairs separated by tabs; metric names never hold tabs.
+/// One line per epoch, then one per recorded step: `key value` pairs separated by tabs; metric
+/// names never hold tabs. Doubles are written with max_digits10, so they read back exactly.
 /// The History as text (one line per epoch, see the file comment).
 inline std::string history_to_text(const History& history) {
   std::ostringstream out;
@@ -24,12 +25,18 @@ inline std::string history_to_text(const History& history) {
   out << "total_steps\t" << history.total_steps << "\tstop_reason\t" << history.stop_reason << '\n';
   for (const auto& e : history.epochs) {
     out << "epoch\t" << e.epoch << "\tsteps\t" << e.steps << "\tsamples\t" << e.samples << "\ttrain_loss\t"
-        << e.train_loss << "\tseconds\t" << e.seconds << "\tsamples_per_second\t" << e.samples_per_second;
+        << e.train_loss << "\tseconds\t" << e.seconds << "\tsamples_per_second\t" << e.samples_per_second << "\tlr\t" << e.learning_rate;
+    if (e.momentum) out << "\tmomentum\t" << *e.momentum;
     for (const auto& [name, value] : e.train_metrics) out << "\ttrain:" << name << '\t' << value;
     if (e.validation) {
       out << "\tval_loss\t" << e.validation->loss << "\tval_samples\t" << e.validation->samples;
       for (const auto& [name, value] : e.validation->metrics) out << "\tval:" << name << '\t' << value;
     }
+    out << '\n';
+  }
+  for (const auto& s : history.steps) {
+    out << "step_record\t" << s.step << "\tin_epoch\t" << s.epoch << "\tlr\t" << s.learning_rate << "\tloss\t" << s.loss;
+    if (s.momentum) out << "\tmomentum\t" << *s.momentum;
     out << '\n';
   }
   return out.str();
@@ -50,6 +57,18 @@ inline History history_from_text(const std::string& text) {
     std::string key, value;
     EpochRecord record;
     bool is_epoch = false;
+    if (line.rfind("step_record\t", 0) == 0) {
+      StepRecord step;
+      while (std::getline(fields, key, '\t') && std::getline(fields, value, '\t')) {
+        if (key == "step_record") step.step = std::stoll(value);
+        else if (key == "in_epoch") step.epoch = std::stoll(value);
+        else if (key == "lr") step.learning_rate = std::stod(value);
+        else if (key == "loss") step.loss = std::stod(value);
+        else if (key == "momentum") step.momentum = std::stod(value);
+      }
+      history.steps.push_back(step);
+      continue;
+    }
     while (std::getline(fields, key, '\t') && std::getline(fields, value, '\t')) {
       if (key == "total_steps") history.total_steps = std::stoll(value);
       else if (key == "stop_reason") history.stop_reason = value;
@@ -59,6 +78,8 @@ inline History history_from_text(const std::string& text) {
       else if (key == "train_loss") record.train_loss = std::stod(value);
       else if (key == "seconds") record.seconds = std::stod(value);
       else if (key == "samples_per_second") record.samples_per_second = std::stod(value);
+      else if (key == "lr") record.learning_rate = std::stod(value);
+      else if (key == "momentum") record.momentum = std::stod(value);
       else if (key.rfind("train:", 0) == 0) record.train_metrics[key.substr(6)] = std::stod(value);
       else if (key == "val_loss") { record.validation.emplace(); record.validation->loss = std::stod(value); }
       else if (key == "val_samples") record.validation->samples = std::stoll(value);

@@ -22,7 +22,10 @@ inline void save_optimizer_state(const torch::optim::Optimizer& optimizer, torch
 }
 
 /// Loads what save_optimizer_state() wrote, then applies every param group's saved options.
+/// The saved state replaces the optimizer's: libtorch's load only overwrites the entries it has,
+/// so momentum buffers made after a state without them (saved before the first step) would survive.
 inline void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+  optimizer.state().clear();
   optimizer.load(archive);
   torch::serialize::InputArchive groups;
   if (!archive.try_read("param_groups", groups)) return;

@@ -65,3 +65,76 @@ using AutogradPostHook = ::torch::autograd::FunctionPostHook;
 // ===================================================================================================
 // End of section: c10d collectives and autograd hooks.
 // ===================================================================================================
+
+// ===================================================================================================
+// Section: autocast and loss scaling (owner: precision/autocast.hpp, precision/grad_scaler.hpp).
+// Checked against Debian's 1.13 ATen/autocast_mode.h and pytorch v2.x's.
+//
+// - Autocast switches: 1.13 has one pair of functions per device (set_enabled / set_cpu_enabled,
+//   set_autocast_gpu_dtype / set_autocast_cpu_dtype); 2.4 made them per device type
+//   (set_autocast_enabled(device, on), set_autocast_dtype(device, dtype)) and deprecated the old.
+//   Both are thread-local state, which is why the loop switches autocast inside each replica's
+//   thread (precision/autocast.hpp).
+// - Unscaling: at::_amp_foreach_non_finite_check_and_unscale_ (the op torch.amp.GradScaler uses)
+//   has a CUDA kernel in both versions but no CPU kernel in 1.13: gradients on the CPU are
+//   checked and unscaled with plain tensor ops, which compute the same values.
+// ===================================================================================================
+
+#include <ATen/autocast_mode.h>
+#include <ATen/ATen.h>
+
+/// True when built against libtorch 2.4 or newer (per-device-type autocast functions).
+#define TRAINLOOP_TORCH_2_4 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+
+namespace trainloop::detail {
+
+/// Whether autocast is on for `device` in this thread, and its lower-precision type.
+struct AutocastSetting {
+  bool enabled = false;
+  at::ScalarType dtype = at::kBFloat16;
+};
+
+/// The autocast setting of `device` (CPU or CUDA) in this thread.
+inline AutocastSetting autocast_setting(c10::DeviceType device) {
+#if TRAINLOOP_TORCH_2_4
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+#else
+  if (device == c10::DeviceType::CUDA) return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+  return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
+#endif
+}
+
+/// Sets the autocast setting of `device` (CPU or CUDA) in this thread.
+inline void set_autocast_setting(c10::DeviceType device, const AutocastSetting& setting) {
+#if TRAINLOOP_TORCH_2_4
+  at::autocast::set_autocast_enabled(device, setting.enabled);
+  at::autocast::set_autocast_dtype(device, setting.dtype);
+#else
+  if (device == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(setting.enabled);
+    at::autocast::set_autocast_gpu_dtype(setting.dtype);
+  } else {
+    at::autocast::set_cpu_enabled(setting.enabled);
+    at::autocast::set_autocast_cpu_dtype(setting.dtype);
+  }
+#endif
+}
+
+/// Multiplies every gradient in `grads` by `inv_scale` (a one-element float tensor on their
+/// device) and sets `found_inf` (a one-element float tensor) to 1 when any holds an inf or NaN.
+inline void amp_unscale_and_check(std::vector<at::Tensor>& grads, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  if (grads.empty()) return;
+  if (grads.front().is_cuda()) {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+    return;
+  }
+  for (auto& grad : grads) {
+    if (!grad.isfinite().all().item<bool>()) found_inf.fill_(1.0);
+    grad.mul_(inv_scale.to(grad.scalar_type()));
+  }
+}
+
+}  // namespace trainloop::detail
+// ===================================================================================================
+// End of section: autocast and loss scaling.
+// ===================================================================================================

@@ -29,6 +29,7 @@ struct TrainingProgress {
   std::optional<EpochRecord> partial_record;  ///< what the partial epoch measured so far (for History)
   uint64_t sampler_seed = 0;       ///< the seed of the epoch orders (kept from the first fit())
   bool seeded = false;             ///< torch's generator was seeded by the first fit()
+  torch::Tensor grad_scaler_state; ///< the fp16 loss scaler's GradScaler::state(); undefined before fp16 training
 
   /// The fit() call that was running: a checkpoint taken inside it resumes it to its end.
   int64_t fit_first_epoch = 1;     ///< its first epoch

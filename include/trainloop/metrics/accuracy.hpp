@@ -30,16 +30,18 @@ class TopKAccuracy : public Metric {
   torch::Tensor statistics(const torch::Tensor& output, const torch::Tensor& target) const override {
     TRAINLOOP_CHECK(output.dim() == 2, name(), " expects output of shape (batch, classes); got ",
                     output.sizes());
-    TRAINLOOP_CHECK(target.dim() == 1 && target.size(0) == output.size(0), name(),
-                    " expects target of shape (", output.size(0), "); got ", target.sizes());
+    // Soft targets (MixUp's mixed one-hot rows, label smoothing) count their most likely class.
+    const torch::Tensor labels = target.dim() == 2 && target.sizes() == output.sizes() ? target.argmax(1) : target;
+    TRAINLOOP_CHECK(labels.dim() == 1 && labels.size(0) == output.size(0), name(), " expects target of shape (",
+                    output.size(0), ") or soft targets of shape ", output.sizes(), "; got ", target.sizes());
     TRAINLOOP_CHECK(k_ <= output.size(1), name(), " with k = ", k_, " but the output has only ",
                     output.size(1), " classes");
     torch::Tensor hits;
     if (k_ == 1) {
-      hits = output.argmax(1).eq(target).sum();
+      hits = output.argmax(1).eq(labels).sum();
     } else {
       auto top = std::get<1>(output.topk(k_, /*dim=*/1));
-      hits = top.eq(target.unsqueeze(1)).any(1).sum();
+      hits = top.eq(labels.unsqueeze(1)).any(1).sum();
     }
     auto count = torch::full({1}, static_cast<double>(output.size(0)),
                              torch::TensorOptions().dtype(torch::kFloat64).device(output.device()));
