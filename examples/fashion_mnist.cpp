@@ -9,6 +9,7 @@
 //   fashion_mnist --lr-find                                            # print a suggested lr and exit
 //   fashion_mnist --epochs 4 --precision bf16 --early-stop-patience 2
 
+#include "example_mode.hpp"
 #include "fashion_net.hpp"
 
 #include <trainloop/trainloop.hpp>
@@ -71,20 +72,7 @@ int main(int argc, char** argv) {
 
   try {
     // The mode is chosen at run time; every mode then runs the same compiled loop.
-    trainloop::gpu_mode::Any mode = trainloop::gpu_mode::parse(gpu_mode);
-    const torch::Device chosen_device(device);
-    std::visit(
-        [&](auto& policy) {
-          using Policy = std::decay_t<decltype(policy)>;
-          if constexpr (std::is_same_v<Policy, trainloop::gpu_mode::Single>) {
-            policy.device(chosen_device);
-          } else if constexpr (std::is_same_v<Policy, trainloop::gpu_mode::DataParallel>) {
-            if (chosen_device.is_cpu()) policy = trainloop::gpu_mode::DataParallel::cpu_replicas(replicas);
-          } else {
-            policy.device_type(chosen_device.type()).procs_per_node(procs);
-          }
-        },
-        mode.get());
+    trainloop::gpu_mode::Any mode = example_mode(gpu_mode, torch::Device(device), procs, replicas);
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;

@@ -5,6 +5,7 @@
 //   image_folder --data ROOT --epochs 4 [--size 28] [--augment] [--workers 2] [--gpu-mode ddp]
 //   scripts/export-fashion-mnist-images.sh /tmp/fmnist-png && image_folder --data /tmp/fmnist-png
 
+#include "example_mode.hpp"
 #include "image_cnn.hpp"
 
 #include <trainloop/trainloop.hpp>
@@ -80,20 +81,7 @@ int main(int argc, char** argv) {
                 << '\n';
     }
 
-    trainloop::gpu_mode::Any mode = trainloop::gpu_mode::parse(gpu_mode);
-    const torch::Device chosen_device(device);
-    std::visit(
-        [&](auto& policy) {
-          using Policy = std::decay_t<decltype(policy)>;
-          if constexpr (std::is_same_v<Policy, trainloop::gpu_mode::Single>) {
-            policy.device(chosen_device);
-          } else if constexpr (std::is_same_v<Policy, trainloop::gpu_mode::DataParallel>) {
-            if (chosen_device.is_cpu()) policy = trainloop::gpu_mode::DataParallel::cpu_replicas(replicas);
-          } else {
-            policy.device_type(chosen_device.type()).procs_per_node(procs);
-          }
-        },
-        mode.get());
+    trainloop::gpu_mode::Any mode = example_mode(gpu_mode, torch::Device(device), procs, replicas);
     torch::manual_seed(seed);
     ImageCnn net(train.channels(), static_cast<int64_t>(train.classes().size()));
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));

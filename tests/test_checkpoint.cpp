@@ -49,15 +49,6 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-/// A temporary directory, removed with the object.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "tl-test-checkpoint-XXXXXX").string();
-    path = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 torch::Tensor flat(const std::vector<torch::Tensor>& tensors) {
   std::vector<torch::Tensor> parts;

@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <unistd.h>
+#include <limits>
+#include <map>
 #include <string>
 
 namespace tl = trainloop;
@@ -158,4 +160,45 @@ BOOST_AUTO_TEST_CASE(a_cuda_checkpoint_resumes_exactly_cuda_random_stream_includ
   BOOST_TEST_MESSAGE("CUDA: max |resumed - uninterrupted| = " << difference);
   BOOST_TEST(difference <= 1e-6);
   std::filesystem::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(fp16_and_bf16_train_on_cuda_and_an_overflowing_fp16_step_is_skipped) {
+  if (!have_cuda()) return;
+  const torch::Device cuda("cuda:0");
+  std::map<std::string, double> accuracy;
+  for (auto precision : {tl::Precision::fp32, tl::Precision::bf16, tl::Precision::fp16}) {
+    torch::manual_seed(5);
+    Mlp net;
+    torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+    tl::TrainLoop<Mlp> loop(net, make_data(800, 1), make_data(400, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                            tl::TrainLoopOptions().batch_size(32).precision(precision).metrics({std::make_shared<tl::Accuracy>()}),
+                            tl::gpu_mode::Single(cuda));
+    accuracy[tl::to_string(precision)] = loop.fit(5).last().validation->metrics.at("accuracy");
+  }
+  BOOST_TEST_MESSAGE("accuracy on cuda: fp32 " << accuracy["fp32"] << ", bf16 " << accuracy["bf16"] << ", fp16 " << accuracy["fp16"]);
+  BOOST_TEST(std::abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.02);
+  BOOST_TEST(std::abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.02);
+
+  // An inf in a gradient at step 3: that step is skipped (weights unchanged by it), the others are taken.
+  struct PoisonStep3 : tl::Callback {
+    torch::Tensor before;
+    bool changed_at_3 = true;
+    void on_batch_end(tl::TrainState& s) override {
+      if (s.global_step != 2) return;  // the micro-batch of step 3 (2 steps done)
+      before = flat_params(s.model->parameters()).clone();
+      s.model->parameters()[0].mutable_grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+    }
+    void on_step_end(tl::TrainState& s) override {
+      if (s.global_step == 3) changed_at_3 = !torch::equal(flat_params(s.model->parameters()), before);
+    }
+  };
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05));
+  tl::TrainLoop<Mlp> loop(net, make_data(80, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                          tl::TrainLoopOptions().batch_size(8).precision(tl::Precision::fp16), tl::gpu_mode::Single(cuda));
+  auto poison = std::make_shared<PoisonStep3>();
+  auto history = loop.fit(1, {poison});
+  BOOST_TEST(!poison->changed_at_3);
+  BOOST_TEST(history.total_steps == 10);
 }

@@ -24,14 +24,6 @@ using tl::data::Image;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "tl-test-images-XXXXXX").string();
-    path = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 /// A deterministic test picture: a gradient, different per `salt`.
 Image picture(int64_t height, int64_t width, int64_t channels, int salt) {

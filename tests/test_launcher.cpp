@@ -110,14 +110,7 @@ bool contains(const std::string& text, const std::string& part) {
 bool process_gone(pid_t pid) { return ::kill(pid, 0) == -1 && errno == ESRCH; }
 
 /// A fresh directory for the files children write, removed afterwards.
-struct OutDir {
-  fs::path path;
-  OutDir() {
-    std::string pattern = (fs::temp_directory_path() / "tl-test-launcher-XXXXXX").string();
-    path = ::mkdtemp(pattern.data());
-  }
-  ~OutDir() { fs::remove_all(path); }
-};
+using OutDir = TempDir;
 
 /// Runs launch() and returns its error message ("" when it did not throw) and its duration.
 std::pair<std::string, double> launch_expecting_failure(dist::Launcher& launcher) {

@@ -70,15 +70,6 @@ tl::TrainLoop<Mlp, Mode> make_loop(Problem& p, tl::TrainLoopOptions options = sm
                                   options, mode);
 }
 
-/// A temporary directory, removed with the object.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "tl-test-recipe-XXXXXX").string();
-    path = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 }  // namespace
 

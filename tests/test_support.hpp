@@ -9,6 +9,8 @@
 #include <functional>
 #include <string>
 
+#include <unistd.h>
+
 /// The message of the trainloop::Error that `action` throws, or a marker that none was thrown
 /// (which no expected message contains, so the caller's check fails).
 inline std::string error_of(const std::function<void()>& action) {
@@ -34,3 +36,18 @@ inline void write_file(const std::filesystem::path& path, const std::string& tex
   { std::ofstream(temporary) << text; }
   std::filesystem::rename(temporary, path);
 }
+
+/// A fresh directory under the system temp dir (mkdtemp), removed with everything in it at scope exit.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& prefix = "tl-test") {
+    std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    path = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+};

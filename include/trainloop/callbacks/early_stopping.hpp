@@ -19,6 +19,8 @@
 #include <trainloop/error.hpp>
 
 #include <torch/arg.h>
+#include <trainloop/detail/module_tensors.hpp>
+
 #include <torch/torch.h>
 
 #include <limits>
@@ -73,7 +75,7 @@ class EarlyStopping : public Callback {
   void on_fit_end(TrainState& state, const History&) override {
     if (!options_.restore_best_weights() || best_weights_.empty()) return;
     torch::NoGradGuard no_grad;
-    auto targets = tensors_of(*state.model);
+    auto targets = detail::state_tensors(*state.model);
     TRAINLOOP_CHECK(targets.size() == best_weights_.size(), "EarlyStopping kept ", best_weights_.size(),
                     " tensors of the best epoch but the model has ", targets.size(), "; expected the same model");
     for (size_t i = 0; i < targets.size(); ++i) targets[i].copy_(best_weights_[i]);
@@ -107,15 +109,9 @@ class EarlyStopping : public Callback {
   int64_t stopped_epoch() const { return stopped_epoch_; }
 
  private:
-  static std::vector<torch::Tensor> tensors_of(torch::nn::Module& model) {
-    std::vector<torch::Tensor> tensors;
-    for (auto& p : model.parameters()) tensors.push_back(p);
-    for (auto& b : model.buffers()) tensors.push_back(b);
-    return tensors;
-  }
   void keep_weights(torch::nn::Module& model) {
     best_weights_.clear();
-    for (const auto& t : tensors_of(model)) best_weights_.push_back(t.detach().clone());
+    for (const auto& t : detail::state_tensors(model)) best_weights_.push_back(t.detach().clone());
   }
 
   EarlyStoppingOptions options_;

@@ -88,8 +88,8 @@ inline Image flip_horizontal(Image image) {
 /// torchvision's resize without antialiasing).
 ///
 /// The source columns and weights of every output column are computed once per call, not per
-/// pixel, and the rows are walked through pointers: on 2,000 320x240 JPEGs cropped and resized to
-/// 224x224 this took the whole pipeline from 280 to see benchmarks/README.md images/s per worker.
+/// pixel, and the rows are walked through pointers (the first version indexed every tap through
+/// Image::at in double precision; benchmarks/README.md, image_pipeline, has the figures).
 inline Image resize(const Image& image, int64_t height, int64_t width) {
   TRAINLOOP_CHECK(height > 0 && width > 0, "resize to ", height, "x", width, "; expected a positive size");
   if (height == image.height && width == image.width) return image;

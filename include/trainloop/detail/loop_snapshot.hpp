@@ -8,6 +8,8 @@
 #include <trainloop/detail/optimizer_state.hpp>
 #include <trainloop/detail/training_progress.hpp>
 
+#include <trainloop/detail/module_tensors.hpp>
+
 #include <torch/torch.h>
 
 #include <sstream>
@@ -21,7 +23,7 @@ class LoopSnapshot {
   LoopSnapshot(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const TrainingProgress& progress)
       : progress_(progress), rng_(capture_rng_state()) {
     torch::NoGradGuard no_grad;
-    for (const auto& t : tensors_of(module)) tensors_.push_back(t.detach().clone());
+    for (const auto& t : detail::state_tensors(module)) tensors_.push_back(t.detach().clone());
     torch::serialize::OutputArchive archive;
     save_optimizer_state(optimizer, archive);
     archive.save_to(optimizer_bytes_);
@@ -33,7 +35,7 @@ class LoopSnapshot {
   void restore(torch::nn::Module& module, torch::optim::Optimizer& optimizer, TrainingProgress& progress) const {
     {
       torch::NoGradGuard no_grad;
-      auto targets = tensors_of(module);
+      auto targets = detail::state_tensors(module);
       for (size_t i = 0; i < targets.size() && i < tensors_.size(); ++i) targets[i].copy_(tensors_[i]);
     }
     std::istringstream bytes(optimizer_bytes_.str());
@@ -45,12 +47,6 @@ class LoopSnapshot {
   }
 
  private:
-  static std::vector<torch::Tensor> tensors_of(torch::nn::Module& module) {
-    std::vector<torch::Tensor> tensors;
-    for (auto& p : module.parameters()) tensors.push_back(p);
-    for (auto& b : module.buffers()) tensors.push_back(b);
-    return tensors;
-  }
 
   std::vector<torch::Tensor> tensors_;
   std::ostringstream optimizer_bytes_;
