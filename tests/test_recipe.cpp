@@ -147,6 +147,32 @@ BOOST_AUTO_TEST_CASE(flat_cos_cosine_warmup_and_multi_step_follow_their_formulas
   for (size_t e = 0; e < 6; ++e) BOOST_TEST(history.epochs[e].learning_rate == expected[e], boost::test_tools::tolerance(1e-12));
 }
 
+BOOST_AUTO_TEST_CASE(schedules_keep_param_group_ratios_and_edge_cases_stay_finite) {
+  // Two param groups at 0.1 and 0.01: the schedule drives the first, the second keeps a tenth.
+  torch::manual_seed(0);
+  Mlp net;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(net->fc1->parameters(), std::make_unique<torch::optim::SGDOptions>(0.1));
+  groups.emplace_back(net->fc3->parameters(), std::make_unique<torch::optim::SGDOptions>(0.01));
+  torch::optim::SGD optimizer(groups, torch::optim::SGDOptions(0.1));
+  tl::OneCycle schedule(tl::OneCycleOptions(1.0));
+  scheduled(schedule, optimizer, 10, 40);
+  BOOST_TEST(tl::learning_rate_of(optimizer, 0) == 1.0, boost::test_tools::tolerance(1e-12));
+  BOOST_TEST(tl::learning_rate_of(optimizer, 1) == 0.1, boost::test_tools::tolerance(1e-12));
+  // PyTorch positions with a warm-up under one step (pct_start 0.25 of 4 steps): finite, the peak first.
+  Problem p;
+  tl::OneCycle tiny(tl::OneCycleOptions::pytorch(0.1).pct_start(0.25));
+  BOOST_TEST(scheduled(tiny, p.optimizer, 0, 4).learning_rate == 0.1, boost::test_tools::tolerance(1e-12));
+  BOOST_TEST(std::isfinite(scheduled(tiny, p.optimizer, 3, 4).learning_rate));
+  // Reduce-on-plateau stops counting once the lr sits at min_lr.
+  Problem q(0.2);
+  auto loop = make_loop(q);
+  auto plateau = std::make_shared<tl::ReduceOnPlateau>(tl::ReduceOnPlateauOptions("lr").patience(0).factor(0.5).min_lr(0.1));
+  loop.fit(5, {plateau});
+  BOOST_TEST(tl::learning_rate_of(q.optimizer) == 0.1, boost::test_tools::tolerance(1e-12));
+  BOOST_TEST(plateau->reductions() == 1);
+}
+
 BOOST_AUTO_TEST_CASE(schedules_reject_options_out_of_range_by_name) {
   BOOST_TEST(error_of([] { tl::OneCycle(tl::OneCycleOptions(0.1).pct_start(1.5)); }).find("pct_start is 1.5") != std::string::npos);
   BOOST_TEST(error_of([] { tl::MultiStep({3, 2}); }).find("increasing order") != std::string::npos);
@@ -196,7 +222,13 @@ BOOST_AUTO_TEST_CASE(a_run_resumed_mid_schedule_ends_bit_for_bit_as_an_uninterru
         callbacks.push_back(std::make_shared<tl::ReduceOnPlateau>(tl::ReduceOnPlateauOptions("lr").patience(0).factor(0.5)));
         callbacks.push_back(std::make_shared<tl::EarlyStopping>(tl::EarlyStoppingOptions("val_loss").patience(10)));
       }
-      if (!dir.empty()) callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir).every_n_steps(7)));
+      // Mid-epoch checkpoints for the schedule; for the epoch-end callbacks a checkpoint at each
+      // epoch's end, given FIRST: it must still hold their state after that epoch (runs_after_others).
+      if (!dir.empty() && std::string(kind) == "one-cycle") {
+        callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir).every_n_steps(7)));
+      } else if (!dir.empty()) {
+        callbacks.insert(callbacks.begin(), std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir).every_n_epochs(1)));
+      }
       return callbacks;
     };
     Problem whole;
@@ -208,7 +240,7 @@ BOOST_AUTO_TEST_CASE(a_run_resumed_mid_schedule_ends_bit_for_bit_as_an_uninterru
     {
       Problem first;
       auto loop = make_loop(first);
-      // 4 epochs of 20 steps; stop after step 47 (a checkpoint was written at step 42).
+      // 4 epochs of 20 steps; stop after step 47 (the newest checkpoint: step 42, or epoch 2's end).
       struct StopAt : tl::Callback {
         void on_step_end(tl::TrainState& s) override {
           if (s.global_step == 47) throw std::runtime_error("simulated crash");

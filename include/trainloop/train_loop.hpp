@@ -137,6 +137,22 @@ class TrainLoop {
   LrFinderResult lr_find(const LrFinderOptions& options = LrFinderOptions()) {
     auto finder = std::make_shared<LrFinder>(options);
     const detail::LoopSnapshot before(handle_.module(), optimizer_, progress_);
+    // The sweep neither validates (as fastai's) nor stops on a non-finite loss (divergence is what
+    // it looks for): both settings come back afterwards, also on an exception.
+    struct SweepSettings {
+      TrainLoop& loop;
+      data::AnyDataset<Batch> validation;
+      bool stop_on_non_finite;
+      explicit SweepSettings(TrainLoop& l)
+          : loop(l), validation(std::move(l.validation_)), stop_on_non_finite(l.options_.stop_on_non_finite_loss()) {
+        loop.validation_ = data::AnyDataset<Batch>();
+        loop.options_.stop_on_non_finite_loss(false);
+      }
+      ~SweepSettings() {
+        loop.validation_ = std::move(validation);
+        loop.options_.stop_on_non_finite_loss(stop_on_non_finite);
+      }
+    } sweep_settings(*this);
     try {
       fit(FitLength::iterations(options.num_steps()), {finder});
     } catch (...) {

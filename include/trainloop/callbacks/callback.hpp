@@ -121,6 +121,10 @@ class Callback {
   /// @brief True for callbacks with side effects outside the process (printing, files): the loop
   /// then calls them on the main process only.
   virtual bool main_process_only() const { return false; }
+  /// @brief True for callbacks that save the other callbacks' state (ModelCheckpoint): the loop
+  /// calls them after every other callback in each hook, so a checkpoint written at an epoch's
+  /// end holds what the others made of that epoch (an early stop's counter, a lowered lr).
+  virtual bool runs_after_others() const { return false; }
   /// @brief Once, before the first epoch.
   virtual void on_fit_begin(TrainState&) {}
   /// @brief Before each epoch's first batch.

@@ -123,6 +123,9 @@ class ModelCheckpoint : public Callback {
   /// @brief The periodic checkpoints kept so far, oldest first.
   const std::vector<std::filesystem::path>& recent() const { return recent_; }
 
+  /// @brief True: its checkpoints hold the other callbacks' state after the same event.
+  bool runs_after_others() const override { return true; }
+
   void on_fit_begin(TrainState& state) override {
     if (state.is_main) {
       std::error_code error;

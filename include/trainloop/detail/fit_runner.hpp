@@ -83,9 +83,9 @@ class FitRunner {
     TRAINLOOP_CHECK(train_.has_value(), "fit() needs a training dataset");
     TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
     for (const auto& cb : callbacks) TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
-    engine.begin_fit(optimizer_);
     TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
                     "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
+    engine.begin_fit(optimizer_);
     // What lives only during this fit (DDP's gradient hooks) goes with it, also on an exception.
     struct EndFit {
       Engine& engine;
@@ -126,6 +126,7 @@ class FitRunner {
     for (const auto& cb : callbacks) {
       if (!cb->main_process_only() || engine.is_main()) active.push_back(cb);
     }
+    std::stable_partition(active.begin(), active.end(), [](const auto& cb) { return !cb->runs_after_others(); });
     const auto shard = engine.data_shard();
     const int64_t batches_per_epoch = full_epoch_batches(shard);
     const int64_t accumulation = options_.grad_accumulation_steps();

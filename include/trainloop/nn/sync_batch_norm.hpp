@@ -99,7 +99,7 @@ struct GlobalBatchNormFunction : torch::autograd::Function<GlobalBatchNormFuncti
     // The input gradient needs the sums over the global batch.
     auto both = torch::cat({sum_dy, sum_dy_xhat}).to(torch::kFloat64);
     if (auto& reduce = sync_batchnorm_all_reduce()) reduce(both);
-    both = both.to(dy.scalar_type());
+    both = both.to(dy.scalar_type());  // dy is float32 or float64 here (the forward computes in at least float32)
     const int64_t c = xhat.size(1);
     const auto global_dy = both.narrow(0, 0, c).view(shape), global_dy_xhat = both.narrow(0, c, c).view(shape);
     auto scale = invstd.view(shape);
@@ -144,7 +144,9 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
       num_batches_tracked += 1;
       average = options.momentum() ? *options.momentum() : 1.0 / num_batches_tracked.item<double>();
     }
-    if (!use_batch_stats || !reduce) {
+    // Only training batches are synchronised (as PyTorch): validation shards are not padded, so
+    // ranks may run different numbers of evaluation batches and must not meet in a collective.
+    if (!use_batch_stats || !reduce || !is_training()) {
       return torch::batch_norm(input, weight, bias, running_mean, running_var, use_batch_stats, average, options.eps(),
                                at::globalContext().userEnabledCuDNN());
     }
@@ -169,8 +171,13 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
         running_var.mul_(1.0 - average).add_((var * (count / (count - 1.0))).to(running_var.scalar_type()), average);
       }
     }
-    return detail::GlobalBatchNormFunction::apply(input, mean.to(input.scalar_type()), invstd.to(input.scalar_type()),
-                                                  weight, bias, count);
+    // Normalised in at least float32 (under bf16/fp16 autocast too, as torch's batch norm does),
+    // returned in the input's type.
+    const auto compute = input.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    auto output = detail::GlobalBatchNormFunction::apply(input.to(compute), mean.to(compute), invstd.to(compute),
+                                                         weight.defined() ? weight.to(compute) : weight,
+                                                         bias.defined() ? bias.to(compute) : bias, count);
+    return output.to(input.scalar_type());
   }
 
   /// @brief The options.

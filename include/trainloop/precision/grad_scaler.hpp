@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -90,7 +91,8 @@ class GradScaler {
       return;
     }
     if (++growth_tracker_ == options_.growth_interval()) {
-      scale_ *= options_.growth_factor();
+      const double grown = scale_ * options_.growth_factor();
+      if (std::isfinite(static_cast<float>(grown))) scale_ = grown;  // as PyTorch: never an infinite scale
       growth_tracker_ = 0;
     }
   }

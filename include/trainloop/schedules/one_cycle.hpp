@@ -80,7 +80,8 @@ class OneCycle : public StepSchedule {
       const double end = static_cast<double>(total_steps) - 1.0;
       const double k = static_cast<double>(step);
       warming = k <= warm_end;
-      position = warming ? k / warm_end : (k - warm_end) / (end - warm_end);
+      // A warm-up shorter than one step (pct_start·N <= 1) starts at the peak, not at 0/0.
+      position = warming ? (warm_end > 0.0 ? k / warm_end : 1.0) : (k - warm_end) / (end - warm_end);
     }
     values.learning_rate = warming ? anneal_cos(first, peak, position) : anneal_cos(peak, last, position);
     if (options_.cycle_momentum() && base.momentum) {

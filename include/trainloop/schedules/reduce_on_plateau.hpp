@@ -68,13 +68,20 @@ class ReduceOnPlateau : public Callback {
       bad_epochs_ = 0;
     }
     if (state.any_rank(bad_epochs_ > options_.patience())) {
+      bool reduced = false;
       for (auto& group : state.optimizer->param_groups()) {
         const double lr = group.options().get_lr();
-        group.options().set_lr(std::max(lr * options_.factor(), options_.min_lr()));
+        const double lowered = std::max(lr * options_.factor(), options_.min_lr());
+        if (lr - lowered > 1e-8) {  // PyTorch's eps: at min_lr nothing changes, nothing is counted
+          group.options().set_lr(lowered);
+          reduced = true;
+        }
       }
-      cooldown_left_ = options_.cooldown();
+      if (reduced) {
+        cooldown_left_ = options_.cooldown();
+        ++reductions_;
+      }
       bad_epochs_ = 0;
-      ++reductions_;
     }
   }
 
