@@ -170,13 +170,15 @@ trainloop::gpu_mode::Any make_mode(const std::string& name, const Config& c) {
   namespace gm = trainloop::gpu_mode;
   const torch::Device device = c.device();
   if (name == "single") return gm::Single(device);
-  if (name == "dp") {
-    if (device.is_cpu()) return gm::DataParallel::cpu_replicas(c.replicas);
+  if (name == "dp" || name == "dp-unordered") {
+    // dp-unordered: every replica's forward at once, random layers or not (reproducible(false)),
+    // to measure what ordering the forwards of a model with dropout costs.
+    if (device.is_cpu()) return gm::DataParallel::cpu_replicas(c.replicas).reproducible(name == "dp");
     std::vector<torch::Device> devices;
     for (int i = 0; i < c.replicas; ++i) devices.emplace_back(torch::kCUDA, static_cast<torch::DeviceIndex>(i));
-    return gm::DataParallel(devices);
+    return gm::DataParallel(devices).reproducible(name == "dp");
   }
-  TRAINLOOP_CHECK(name == "ddp", "unknown mode '", name, "'; expected hand, single, dp or ddp");
+  TRAINLOOP_CHECK(name == "ddp", "unknown mode '", name, "'; expected hand, single, dp, dp-unordered or ddp");
   return gm::DistributedDataParallel().procs_per_node(c.procs).device_type(device.type());
 }
 
@@ -226,7 +228,7 @@ Run trainloop_run(const Config& c, const std::string& mode_name, const trainloop
   if (launched_ranks) run.step_seconds = read_step_file(c.ddp_steps_path());
   if (!ddp) run.step_seconds = timer->step_seconds();
   if (mode_name == "single") run.threads = bench::thread_description(at::get_num_threads());
-  if (mode_name == "dp") {
+  if (mode_name == "dp" || mode_name == "dp-unordered") {
     run.threads = std::to_string(c.replicas) + " replicas x " + std::to_string(trainloop::cpu::intra_op_threads_for(c.replicas)) +
                   " intra-op, OpenBLAS 1";
   }
@@ -247,7 +249,7 @@ std::vector<std::string> rotated(const std::vector<std::string>& modes, int64_t 
 
 std::string step_note(const std::string& mode, const Config& c) {
   const std::string batch = std::to_string(c.batch_size);
-  if (mode == "dp") return "step = " + batch + " samples split over " + std::to_string(c.replicas) + " replicas";
+  if (mode == "dp" || mode == "dp-unordered") return "step = " + batch + " samples split over " + std::to_string(c.replicas) + " replicas";
   if (mode == "ddp")
     return "step = " + std::to_string(c.procs) + " ranks x " + batch + " = " +
            std::to_string(c.procs * c.batch_size) + " samples; step times of rank 0";
@@ -373,6 +375,7 @@ int run_benchmark(const Config& c, const bench::TensorPair& data) {
     if (has("hand")) hand_run<Model>(c, data, c.warmup_batches);
     if (has("single")) trainloop_run<Model>(c, "single", train, c.warmup_batches);
     if (has("dp")) trainloop_run<Model>(c, "dp", train, c.warmup_batches);
+    if (has("dp-unordered")) trainloop_run<Model>(c, "dp-unordered", train, c.warmup_batches);
   }
 
   std::map<std::string, std::vector<Run>> runs;
@@ -414,9 +417,9 @@ int main(int argc, char** argv) {
                  "intra-op threads for hand and single (0: libtorch's default; dp and ddp divide the cores)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--csv", c.csv_path, "write the table to this CSV file");
-  app.add_option("--modes", c.modes, "comma-separated: hand,single,dp,ddp")
+  app.add_option("--modes", c.modes, "comma-separated: hand,single,dp,dp-unordered,ddp")
       ->delimiter(',')
-      ->check(CLI::IsMember({"hand", "single", "dp", "ddp"}));
+      ->check(CLI::IsMember({"hand", "single", "dp", "dp-unordered", "ddp"}));
   app.add_option("--data", c.data_dir, "directory with the Fashion-MNIST *-idx?-ubyte.gz files");
   app.add_option("--seed", c.seed, "seed for the data, the weights and dropout");
   app.add_option("--peak-gflops", c.peak_gflops,

@@ -16,6 +16,7 @@
 #include <unistd.h>
 #include <limits>
 #include <map>
+#include <vector>
 #include <string>
 
 namespace tl = trainloop;
@@ -159,6 +160,53 @@ BOOST_AUTO_TEST_CASE(a_cuda_checkpoint_resumes_exactly_cuda_random_stream_includ
   const double difference = (resumed - uninterrupted).abs().max().item<double>();
   BOOST_TEST_MESSAGE("CUDA: max |resumed - uninterrupted| = " << difference);
   BOOST_TEST(difference <= 1e-6);
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+/// DropoutMlp that DataParallel can clone, so every replica has the dropout.
+struct CloneableDropoutMlpImpl : torch::nn::Cloneable<CloneableDropoutMlpImpl> {
+  CloneableDropoutMlpImpl() { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::dropout(torch::tanh(fc1(x)), 0.3, is_training())); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(CloneableDropoutMlp);
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(dp_with_dropout_on_cuda_is_reproducible_and_resumes_exactly) {
+  if (!have_cuda()) return;
+  at::globalContext().setAllowTF32CuBLAS(false);
+  // Every visible device once, and cuda:0 twice more: replicas on one device share its generator.
+  std::vector<torch::Device> devices;
+  for (size_t i = 0; i < torch::cuda::device_count(); ++i) devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
+  devices.emplace_back("cuda:0");
+  const auto dir = std::filesystem::temp_directory_path() / ("trainloop_cuda_dp_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto run = [&](uint64_t init_seed, int64_t epochs, const std::string& resume) {
+    torch::manual_seed(init_seed);
+    CloneableDropoutMlp net;
+    net->to(devices[0]);
+    torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+    tl::TrainLoop<CloneableDropoutMlp, tl::gpu_mode::DataParallel> loop(
+        net, make_data(64, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(8),
+        tl::gpu_mode::DataParallel(devices));
+    tl::CallbackList callbacks;
+    if (!resume.empty() || epochs == 2) callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir)));
+    loop.fit(epochs, callbacks, resume);
+    return flat_params(net->parameters()).cpu();
+  };
+  const auto first = run(1, 4, "");
+  const auto second = run(1, 4, "");
+  BOOST_TEST_MESSAGE("CUDA dp with dropout, two runs: max |difference| = " << (first - second).abs().max().item<double>());
+  BOOST_TEST(torch::equal(first, second));
+  run(1, 2, "");
+  const auto resumed = run(9, 2, "last");
+  BOOST_TEST_MESSAGE("CUDA dp with dropout: max |resumed - uninterrupted| = " << (resumed - first).abs().max().item<double>());
+  BOOST_TEST(torch::equal(resumed, first));
   std::filesystem::remove_all(dir);
 }
 

@@ -2,6 +2,7 @@
 #include "unit_test.hpp"
 
 #include "ddp_test_model.hpp"
+#include "small_tmpfs.hpp"
 
 #include <spawn.h>
 #include <sys/socket.h>
@@ -9,6 +10,7 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <csignal>
 #include <iterator>
@@ -647,5 +649,36 @@ BOOST_AUTO_TEST_CASE(a_ddp_checkpoint_resumes_in_one_process_and_the_other_way) 
   BOOST_TEST(single_to_ddp <= 1e-5);
   BOOST_TEST(resumed.result["epochs"] == 2);
   for (auto* run : {&ddp, &resumed}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_full_disk_stops_every_rank_with_an_error_naming_the_file, *boost::unit_test::precondition(can_mount_tmpfs)) {
+  auto dir = fresh_dir("ckpt_full");
+  // The size of one checkpoint of this job (2 ranks x batch 4, 40 samples: 5 steps per epoch).
+  auto probe = run_ckpt("probe", dir / "probe", "TL_TEST_EPOCHS=1");
+  BOOST_REQUIRE_MESSAGE(probe.exit_code == 0, probe.output);
+  const uintmax_t pages = (fs::file_size(dir / "probe" / "epoch=0001-step=000005.ckpt") + 4095) / 4096;
+  {
+    SmallTmpfs disk((2 * pages + pages / 2) * 4096);  // room for two checkpoints, not three
+    BOOST_REQUIRE(disk.mounted);
+    auto full = run_ckpt("full", disk.dir.path, "TL_TEST_EPOCHS=3");
+    BOOST_TEST_MESSAGE(full.output);
+    BOOST_TEST(full.exit_code == 3);  // a trainloop error, not an abort
+    const std::string third = (disk.dir.path / "epoch=0003-step=000015.ckpt").string();
+    BOOST_TEST(full.output.find("cannot write the checkpoint " + third) != std::string::npos, full.output);
+    BOOST_TEST(full.output.find("No space left on device") != std::string::npos, full.output);
+    BOOST_TEST(full.output.find("terminate called") == std::string::npos, full.output);
+    BOOST_TEST(leftover_workers() == 0);
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(disk.dir.path)) names.push_back(entry.path().filename().string());
+    std::sort(names.begin(), names.end());
+    BOOST_TEST(names == (std::vector<std::string>{"epoch=0001-step=000005.ckpt", "epoch=0002-step=000010.ckpt", "last.ckpt"}),
+               boost::test_tools::per_element());
+    ShuffledReference reader;
+    reader.loop.load_checkpoint(disk.dir.path / "last.ckpt");
+    BOOST_TEST(reader.loop.history().epochs.size() == 2u);
+    fs::remove_all(full.dir);
+  }
+  fs::remove_all(probe.dir);
   fs::remove_all(dir);
 }

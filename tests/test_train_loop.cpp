@@ -399,7 +399,8 @@ BOOST_AUTO_TEST_CASE(a_csv_logger_on_a_directory_is_a_clear_error_that_leaves_no
   BOOST_TEST(std::filesystem::is_empty(dir));  // no dir/.tmp
   int stray = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir.parent_path())) {
-    stray += entry.path().filename().string().rfind(dir.filename().string() + ".tmp", 0) == 0 ? 1 : 0;
+    const auto name = entry.path().filename().string();
+    stray += name.rfind(dir.filename().string() + ".", 0) == 0 && tl::detail::is_temporary_name(name) ? 1 : 0;
   }
   BOOST_TEST(stray == 0);
   std::filesystem::remove_all(dir);

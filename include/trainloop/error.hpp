@@ -7,6 +7,7 @@
 /// | Error                | base of everything trainloop throws itself                            |
 /// | ConfigurationError   | an option, argument, input file or data value is not what is expected |
 /// | CommunicationError   | the rendezvous or a collective failed (a peer died, a timeout)        |
+/// | CheckpointError      | a checkpoint cannot be read, does not fit, or cannot be written       |
 /// | RankFailedError      | a rank this process launched failed; names the rank and how it ended  |
 ///
 /// Errors that are not trainloop's keep their type: a libtorch error (`c10::Error`, e.g.
@@ -33,6 +34,14 @@ class Error : public std::runtime_error {
 class ConfigurationError : public Error {
  public:
   using Error::Error;
+};
+
+/// @brief A checkpoint that cannot be used or written: missing, truncated or corrupt, of another
+/// model, of a newer format, or a write that failed (disk full, read-only directory). The message
+/// names the file and, for a failed write, the system's reason.
+class CheckpointError : public ConfigurationError {
+ public:
+  using ConfigurationError::ConfigurationError;
 };
 
 /// @brief The rendezvous or a collective failed: an unreachable master, a port in use, a peer

@@ -40,10 +40,11 @@ struct StepRecord {
   double loss = 0.0;              ///< mean loss of its last micro-batch on this process
 };
 
-/// @brief The per-epoch records of one fit() call.
+/// @brief The per-epoch records of a loop's training so far: every epoch of every fit() call of
+/// the loop (and of the checkpoint it resumed from), as fit() returns them.
 struct History {
   std::vector<EpochRecord> epochs;  ///< one record per epoch run (a partial last epoch included)
-  int64_t total_steps = 0;          ///< optimizer steps taken by this fit()
+  int64_t total_steps = 0;          ///< optimizer steps taken so far (all fit() calls, resumed ones included)
   std::string stop_reason;          ///< why fit() ended early (a callback's reason), empty if it did not
   std::vector<StepRecord> steps;    ///< one record per optimizer step, when TrainLoopOptions::record_steps is on
 

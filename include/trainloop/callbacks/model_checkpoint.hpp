@@ -19,6 +19,7 @@
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/callbacks/monitor.hpp>
+#include <trainloop/checkpoint/checkpoint_names.hpp>
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 
@@ -45,27 +46,6 @@
 
 namespace trainloop {
 
-
-/// @brief The checkpoints in `directory`, newest first: `last.ckpt` (when it exists), then the
-/// other `*.ckpt` files by the step, then the epoch, in their names.
-inline std::vector<std::filesystem::path> checkpoint_candidates(const std::filesystem::path& directory) {
-  auto number_after = [](const std::string& name, const std::string& key) -> int64_t {
-    const auto at = name.find(key);
-    return at == std::string::npos ? -1 : std::strtoll(name.c_str() + at + key.size(), nullptr, 10);
-  };
-  std::vector<std::pair<std::pair<int64_t, int64_t>, std::filesystem::path>> found;
-  std::error_code error;
-  for (std::filesystem::directory_iterator it(directory, error), end; !error && it != end; it.increment(error)) {
-    const std::string name = it->path().filename().string();
-    if (name == "last.ckpt" || it->path().extension() != ".ckpt" || name.find(".tmp.") != std::string::npos) continue;
-    found.push_back({{number_after(name, "step="), number_after(name, "epoch=")}, it->path()});
-  }
-  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::vector<std::filesystem::path> paths;
-  if (std::filesystem::exists(directory / "last.ckpt")) paths.push_back(directory / "last.ckpt");
-  for (const auto& entry : found) paths.push_back(entry.second);
-  return paths;
-}
 
 /// @brief Options of ModelCheckpoint; only the directory is required.
 struct ModelCheckpointOptions {
@@ -98,12 +78,29 @@ struct ModelCheckpointOptions {
     TRAINLOOP_CHECK(every_n_epochs_ >= 0 && every_n_steps_ >= 0 && every_minutes_ >= 0.0,
                     "checkpoint intervals are every ", every_n_epochs_, " epochs, ", every_n_steps_, " steps, ",
                     every_minutes_, " minutes; expected 0 (off) or positive values");
+    TRAINLOOP_CHECK(monitor_.find_first_of(std::string("/\0", 2)) == std::string::npos, "the monitored value is '",
+                    monitor_, "'; expected a name without '/' (it becomes part of a file name)");
     TRAINLOOP_CHECK(keep_last_ >= 0 && keep_best_ >= 0, "keep_last is ", keep_last_, " and keep_best ", keep_best_,
                     "; expected 0 or more");
   }
 };
 
 /// @brief Writes checkpoints during fit() (see checkpoint/checkpoint_file.hpp for what is in one).
+///
+/// **Which files it removes.** Only files it wrote, in its own directory: the keep_last and
+/// keep_best lists hold file names (never paths), each removal is `directory()/name` after the
+/// name was checked against its own patterns (`epoch=...-step=....ckpt`, `best-epoch=...-<monitor>=....ckpt`),
+/// and the file `last.ckpt` points at is never removed. A checkpoint of another run that a fit
+/// resumes or fine-tunes from is only read: its directory is never written to.
+///
+/// **Across resumes, kills and directory changes.** Every checkpoint records the lists as they
+/// are once that very file is added (and the files it makes surplus), so the file a run resumes
+/// from is tracked and keep_last / keep_best / best() hold after any number of resumes. On
+/// restore, names whose file is not in this callback's directory are dropped (a checkpoint of
+/// another directory, fine-tuned from); names that are there are tracked (a copied run
+/// directory). When fit() begins, the files an interrupted write had made surplus are removed,
+/// `last.ckpt` is pointed at the newest tracked checkpoint, and temporaries of writers that were
+/// killed are removed (detail/atomic_file.hpp).
 class ModelCheckpoint : public Callback {
  public:
   /// @brief A checkpoint callback with `options` (checked here).
@@ -112,16 +109,25 @@ class ModelCheckpoint : public Callback {
   /// @brief The directory written to.
   const std::filesystem::path& directory() const { return options_.directory(); }
   /// @brief `directory()/last.ckpt`.
-  std::filesystem::path last_path() const { return directory() / "last.ckpt"; }
+  std::filesystem::path last_path() const { return directory() / kLastCheckpointName; }
 
   /// @brief Checkpoints in the directory, newest first (see checkpoint_candidates()): what
   /// resuming from "last" tries, in order, when one is unreadable.
   std::vector<std::filesystem::path> candidates() const { return checkpoint_candidates(directory()); }
 
-  /// @brief The best checkpoints kept so far, best first: (monitored value, file).
-  const std::vector<std::pair<double, std::filesystem::path>>& best() const { return best_; }
+  /// @brief The best checkpoints kept so far, best first: (monitored value, file). Kept by the
+  /// main process (the one that writes); other ranks may hold fewer after a restore.
+  std::vector<std::pair<double, std::filesystem::path>> best() const {
+    std::vector<std::pair<double, std::filesystem::path>> paths;
+    for (const auto& [value, name] : files_.best) paths.emplace_back(value, directory() / name);
+    return paths;
+  }
   /// @brief The periodic checkpoints kept so far, oldest first.
-  const std::vector<std::filesystem::path>& recent() const { return recent_; }
+  std::vector<std::filesystem::path> recent() const {
+    std::vector<std::filesystem::path> paths;
+    for (const auto& name : files_.recent) paths.push_back(directory() / name);
+    return paths;
+  }
 
   /// @brief True: its checkpoints hold the other callbacks' state after the same event.
   bool runs_after_others() const override { return true; }
@@ -132,7 +138,9 @@ class ModelCheckpoint : public Callback {
       std::filesystem::create_directories(directory(), error);
       TRAINLOOP_CHECK(!error && std::filesystem::is_directory(directory()), "cannot create the checkpoint directory ",
                       directory().string(), " (", error.message(), "); expected a writable location");
+      tidy_up();
     }
+    files_.surplus.clear();
     last_save_ = std::chrono::steady_clock::now();
   }
 
@@ -143,140 +151,219 @@ class ModelCheckpoint : public Callback {
       // Clocks differ between ranks: a checkpoint is a collective, so all take it if any is due.
       due = state.any_rank(due || minutes >= options_.every_minutes());
     }
-    if (due) save_periodic(state);
+    if (due) save(state, periodic_checkpoint_name(state.epoch, state.global_step), std::nullopt);
   }
 
   void on_epoch_end(TrainState& state, const EpochRecord& record) override {
-    std::optional<std::filesystem::path> written;
-    if (options_.every_n_epochs() > 0 && state.epoch % options_.every_n_epochs() == 0) written = save_periodic(state);
-    if (options_.monitor().empty() || options_.keep_best() == 0) return;
-    const double value = monitored_value(record);
-    if (!std::isfinite(value) || !qualifies(value)) return;
-    std::ostringstream name;
-    name << "best-epoch=" << std::setw(4) << std::setfill('0') << state.epoch << '-' << options_.monitor() << '='
-         << std::fixed << std::setprecision(4) << value << ".ckpt";
-    const std::filesystem::path path = directory() / name.str();
-    if (!save(state, path, written)) return;
-    best_.emplace_back(value, path);
-    std::stable_sort(best_.begin(), best_.end(), [&](const auto& a, const auto& b) { return better(a.first, b.first); });
-    while (static_cast<int64_t>(best_.size()) > options_.keep_best()) {
-      remove_file(state, best_.back().second);
-      best_.pop_back();
+    std::optional<std::string> periodic;
+    if (options_.every_n_epochs() > 0 && state.epoch % options_.every_n_epochs() == 0) {
+      periodic = periodic_checkpoint_name(state.epoch, state.global_step);
     }
+    std::optional<std::pair<double, std::string>> best;
+    if (!options_.monitor().empty() && options_.keep_best() > 0) {
+      const double value = trainloop::monitored_value(record, options_.monitor(), "ModelCheckpoint");
+      // The main process's lists decide (a restore on another machine may not see its files);
+      // writing is a collective, so every rank follows that decision.
+      if (state.any_rank(state.is_main && std::isfinite(value) && qualifies(value))) {
+        best.emplace(value, best_checkpoint_name(state.epoch, options_.monitor(), value));
+      }
+    }
+    if (periodic || best) save(state, periodic, best);
   }
 
   void save_state(torch::serialize::OutputArchive& archive) const override {
+    // Inside save(): the lists as they are once the file being written is added.
+    const Files& files = planned_ ? *planned_ : files_;
     std::ostringstream text;
     text << std::setprecision(std::numeric_limits<double>::max_digits10);
-    for (const auto& [value, path] : best_) text << "best\t" << value << '\t' << path.string() << '\n';
-    for (const auto& path : recent_) text << "recent\t0\t" << path.string() << '\n';
+    for (const auto& [value, name] : files.best) text << "best\t" << value << '\t' << name << '\n';
+    for (const auto& name : files.recent) text << "recent\t0\t" << name << '\n';
+    for (const auto& name : files.surplus) text << "surplus\t0\t" << name << '\n';
     archive.write("files", c10::IValue(text.str()));
   }
   void load_state(torch::serialize::InputArchive& archive) override {
-    c10::IValue files;
-    if (!archive.try_read("files", files)) return;
-    best_.clear();
-    recent_.clear();
-    std::istringstream in(files.toStringRef());
+    c10::IValue stored;
+    if (!archive.try_read("files", stored)) return;
+    Files files;
+    std::istringstream in(stored.toStringRef());
     std::string line;
     while (std::getline(in, line)) {
       std::istringstream fields(line);
-      std::string kind, value, path;
+      std::string kind, value, recorded;
       std::getline(fields, kind, '\t');
       std::getline(fields, value, '\t');
-      std::getline(fields, path);
-      if (kind == "best") best_.emplace_back(std::stod(value), path);
-      if (kind == "recent") recent_.emplace_back(path);
+      std::getline(fields, recorded);
+      // Older checkpoints recorded paths: only the name counts, and only in this directory.
+      const std::string name = std::filesystem::path(recorded).filename().string();
+      if (!is_own_file_name(name) || !own_file_exists(name)) continue;
+      if (kind == "best") files.best.emplace_back(std::stod(value), name);
+      if (kind == "recent") files.recent.push_back(name);
+      if (kind == "surplus") files.surplus.push_back(name);
     }
+    std::stable_sort(files.best.begin(), files.best.end(),
+                     [&](const auto& a, const auto& b) { return better(a.first, b.first); });
+    files_ = std::move(files);
   }
 
  private:
+  /// The files this callback tracks, by name in its directory.
+  struct Files {
+    std::vector<std::pair<double, std::string>> best;  ///< best first
+    std::vector<std::string> recent;                   ///< oldest first
+    std::vector<std::string> surplus;                  ///< made surplus by the newest write, to remove
+  };
+
   bool better(double a, double b) const { return improves(a, b, options_.mode()); }
 
   bool qualifies(double value) const {
-    return static_cast<int64_t>(best_.size()) < options_.keep_best() || better(value, best_.back().first);
+    return static_cast<int64_t>(files_.best.size()) < options_.keep_best() || better(value, files_.best.back().first);
   }
 
-  double monitored_value(const EpochRecord& record) const {
-    return trainloop::monitored_value(record, options_.monitor(), "ModelCheckpoint");
+  /// True for a name this callback writes: a periodic checkpoint, or a best one of its monitor.
+  bool is_own_file_name(const std::string& name) const {
+    const auto position = parse_checkpoint_name(name, options_.monitor());
+    return position && (!position->best || !options_.monitor().empty());
+  }
+  bool own_file_exists(const std::string& name) const {
+    std::error_code ignored;
+    return std::filesystem::is_regular_file(std::filesystem::symlink_status(directory() / name, ignored));
   }
 
-  std::optional<std::filesystem::path> save_periodic(TrainState& state) {
-    std::ostringstream name;
-    name << "epoch=" << std::setw(4) << std::setfill('0') << state.epoch << "-step=" << std::setw(6) << state.global_step
-         << ".ckpt";
-    const std::filesystem::path path = directory() / name.str();
-    if (!save(state, path, std::nullopt)) return std::nullopt;
-    if (std::find(recent_.begin(), recent_.end(), path) == recent_.end()) recent_.push_back(path);
-    while (options_.keep_last() > 0 && static_cast<int64_t>(recent_.size()) > options_.keep_last()) {
-      remove_file(state, recent_.front());
-      recent_.erase(recent_.begin());
+  /// Writes the periodic and/or best checkpoint of this moment (a collective): one file, and the
+  /// other as a second name of it; then points last.ckpt at it and removes what the keep limits
+  /// made surplus. A failed write changes nothing (and throws unless stop_on_error is off).
+  void save(TrainState& state, const std::optional<std::string>& periodic,
+            const std::optional<std::pair<double, std::string>>& best) {
+    Files plan = files_;
+    plan.surplus.clear();
+    if (periodic) {
+      if (std::find(plan.recent.begin(), plan.recent.end(), *periodic) == plan.recent.end()) plan.recent.push_back(*periodic);
+      while (options_.keep_last() > 0 && static_cast<int64_t>(plan.recent.size()) > options_.keep_last()) {
+        plan.surplus.push_back(plan.recent.front());
+        plan.recent.erase(plan.recent.begin());
+      }
     }
-    return path;
-  }
-
-  /// Writes `path` (a collective), or hard-links `same_state` (a checkpoint of this very
-  /// position written just before) to it; then points last.ckpt at it. False when the write
-  /// failed and stop_on_error is off.
-  bool save(TrainState& state, const std::filesystem::path& path, const std::optional<std::filesystem::path>& same_state) {
+    if (best) {
+      std::erase_if(plan.best, [&](const auto& entry) { return entry.second == best->second; });
+      plan.best.push_back(*best);
+      std::stable_sort(plan.best.begin(), plan.best.end(),
+                       [&](const auto& a, const auto& b) { return better(a.first, b.first); });
+      while (static_cast<int64_t>(plan.best.size()) > options_.keep_best()) {
+        plan.surplus.push_back(plan.best.back().second);
+        plan.best.pop_back();
+      }
+    }
+    const std::string written = periodic ? *periodic : best->second;
     try {
-      if (same_state) {
-        if (state.is_main) link_atomically(*same_state, path);
-      } else {
-        state.save_checkpoint(path);
+      planned_ = plan;  // what save_state() records in the file
+      struct ForgetPlan {
+        std::optional<Files>& plan;
+        ~ForgetPlan() { plan.reset(); }
+      } forget{planned_};
+      state.save_checkpoint(directory() / written);
+      if (periodic && best) {
+        // The same state under its best name (a hard link); every rank learns whether it worked.
+        std::string failure;
+        if (state.is_main) {
+          try {
+            link_atomically(directory() / written, directory() / best->second);
+          } catch (const Error& error) {
+            failure = error.what();
+          }
+        }
+        if (state.any_rank(!failure.empty())) {
+          throw CheckpointError(failure.empty() ? detail::concat("trainloop: another rank could not write the checkpoint ",
+                                                                 (directory() / best->second).string(),
+                                                                 " (its error names the cause)")
+                                                : failure);
+        }
       }
     } catch (const Error& error) {
       if (options_.stop_on_error()) throw;
       if (state.is_main) std::cerr << error.what() << " (ModelCheckpoint: stop_on_error is off; training goes on)\n";
-      return false;
+      return;
     }
     last_save_ = std::chrono::steady_clock::now();
-    // A second name of the state just written leaves last.ckpt pointing at the first.
-    if (state.is_main && !same_state) point_last_at(path);
-    return true;
+    files_ = std::move(plan);
+    if (state.is_main) {
+      point_last_at(written);
+      for (const auto& name : files_.surplus) remove_own_file(name);
+    }
+    files_.surplus.clear();
+  }
+
+  /// On fit begin, after a restore: finishes what an interrupted save left (see the class comment).
+  void tidy_up() {
+    detail::remove_dead_temporaries(directory());
+    std::optional<std::pair<CheckpointPosition, std::string>> newest;
+    auto consider = [&](const std::string& name) {
+      const auto position = parse_checkpoint_name(name);
+      if (position && (!newest || std::pair(position->epoch, position->step) >
+                                      std::pair(newest->first.epoch, newest->first.step))) {
+        newest.emplace(*position, name);
+      }
+    };
+    for (const auto& name : files_.recent) consider(name);
+    for (const auto& entry : files_.best) consider(entry.second);
+    if (newest) {
+      std::error_code error;
+      if (!std::filesystem::equivalent(last_path(), directory() / newest->second, error)) point_last_at(newest->second);
+    }
+    for (const auto& name : files_.surplus) {
+      const bool tracked = std::find(files_.recent.begin(), files_.recent.end(), name) != files_.recent.end() ||
+                           std::any_of(files_.best.begin(), files_.best.end(), [&](const auto& e) { return e.second == name; });
+      if (!tracked) remove_own_file(name);
+    }
+    files_.surplus.clear();
   }
 
   /// Makes `link` a second name of `target`, atomically (a hard link under a temporary name, renamed).
   static void link_atomically(const std::filesystem::path& target, const std::filesystem::path& link) {
-    const std::filesystem::path temporary = link.string() + ".tmp." + std::to_string(::getpid());
+    const std::filesystem::path temporary = detail::unique_temporary_path_for(link);
     std::error_code error;
-    std::filesystem::remove(temporary, error);
     std::filesystem::create_hard_link(target, temporary, error);
-    if (error) std::filesystem::copy_file(target, temporary, std::filesystem::copy_options::overwrite_existing, error);
+    if (error) {
+      error.clear();
+      std::filesystem::copy_file(target, temporary, std::filesystem::copy_options::overwrite_existing, error);
+    }
     if (!error) std::filesystem::rename(temporary, link, error);
     if (error) {
-      throw Error(detail::concat("trainloop: cannot write the checkpoint ", link.string(), ": ", error.message(),
-                                 "; expected a writable directory with free space"));
+      std::error_code ignored;
+      std::filesystem::remove(temporary, ignored);
+      throw CheckpointError(detail::concat("trainloop: cannot write the checkpoint ", link.string(), ": ",
+                                           error.message(), "; expected a writable directory with free space"));
     }
     detail::sync_directory(link.parent_path());
   }
 
-  /// Replaces last.ckpt by a symbolic link to `path`, atomically (a new link renamed over it).
-  void point_last_at(const std::filesystem::path& path) const {
-    const std::filesystem::path temporary = last_path().string() + ".tmp." + std::to_string(::getpid());
+  /// Replaces last.ckpt by a symbolic link to the file `name`, atomically (a new link renamed over it).
+  void point_last_at(const std::string& name) const {
+    const std::filesystem::path temporary = detail::unique_temporary_path_for(last_path());
     std::error_code error;
-    std::filesystem::remove(temporary, error);
-    std::filesystem::create_symlink(path.filename(), temporary, error);
+    std::filesystem::create_symlink(name, temporary, error);
     if (!error) std::filesystem::rename(temporary, last_path(), error);
     if (error) {
-      std::cerr << "trainloop: cannot point " << last_path().string() << " at " << path.string() << ": "
-                << error.message() << '\n';
+      std::error_code ignored;
+      std::filesystem::remove(temporary, ignored);
+      std::cerr << "trainloop: cannot point " << last_path().string() << " at " << name << ": " << error.message() << '\n';
       return;
     }
     detail::sync_directory(directory());
   }
 
-  void remove_file(const TrainState& state, const std::filesystem::path& path) const {
-    if (!state.is_main) return;
+  /// Removes `directory()/name` when it is one of this callback's own files (name checked against
+  /// its patterns, a regular file, not what last.ckpt points at). Main process only.
+  void remove_own_file(const std::string& name) const {
+    if (name != std::filesystem::path(name).filename().string() || !is_own_file_name(name) || !own_file_exists(name)) return;
+    const std::filesystem::path path = directory() / name;
     std::error_code error;
-    // Never the file last.ckpt points at (a best checkpoint can be the newest too).
     if (std::filesystem::equivalent(path, last_path(), error)) return;
     std::filesystem::remove(path, error);
   }
 
   ModelCheckpointOptions options_;
-  std::vector<std::pair<double, std::filesystem::path>> best_;
-  std::vector<std::filesystem::path> recent_;
+  Files files_;
+  std::optional<Files> planned_;  // during save(): the lists including the file being written
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
 };
 

@@ -38,13 +38,6 @@ namespace trainloop {
 /// @brief The checkpoint format this trainloop writes; it reads this one and older ones.
 inline constexpr int64_t kCheckpointFormatVersion = 1;
 
-/// @brief A checkpoint that cannot be used: missing, truncated or corrupt, of another model, or
-/// of a newer format. The message names the file.
-class CheckpointError : public ConfigurationError {
- public:
-  using ConfigurationError::ConfigurationError;
-};
-
 namespace detail {
 
 inline constexpr const char* kCheckpointKey = "__trainloop__";
@@ -109,7 +102,8 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
 }
 
 /// Writes a checkpoint to `path` atomically. `rng_per_rank[r]` is rank r's capture_rng_state().
-/// @throws trainloop::Error naming `path` when it cannot be written.
+/// @throws trainloop::CheckpointError naming `path` and the system's reason when it cannot be
+///         written (disk full, read-only); no partial file is left and an earlier one is unchanged.
 inline void write_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
                              const torch::optim::Optimizer& optimizer, const TrainingProgress& progress,
                              const KeyedCallbacks& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
@@ -141,12 +135,15 @@ inline void write_checkpoint(const std::filesystem::path& path, const torch::nn:
   ours.write("rng", rng_archive);
   archive.write(kCheckpointKey, ours);
 
-  AtomicFile file(path, "the checkpoint");
+  // Streamed through a writer trainloop checks itself (see BasicAtomicFile::writer): a full disk
+  // is a CheckpointError naming the file and the system's reason, not an abort inside libtorch.
+  BasicAtomicFile<CheckpointError> file(path, "the checkpoint");
   try {
-    archive.save_to(file.temporary().string());
+    archive.save_to(file.writer());
   } catch (const c10::Error& error) {
-    throw Error(concat("trainloop: cannot write the checkpoint ", path.string(), ": ", error.what_without_backtrace(),
-                       "; expected a writable directory with free space (the previous checkpoint is unchanged)"));
+    std::throw_with_nested(CheckpointError(concat("trainloop: cannot write the checkpoint ", path.string(), ": ",
+                                                  error.what_without_backtrace(), "; expected a writable directory with "
+                                                  "free space (the previous checkpoint is unchanged)")));
   }
   file.commit();
 }
@@ -167,9 +164,9 @@ class CheckpointFile {
     try {
       archive_.load_from(path_.string(), where);
     } catch (const c10::Error& error) {
-      throw CheckpointError(concat("trainloop: checkpoint ", path_.string(),
-                                   " is truncated or corrupt (libtorch cannot read it: ", first_line(error),
-                                   "); expected a complete checkpoint"));
+      std::throw_with_nested(CheckpointError(concat("trainloop: checkpoint ", path_.string(),
+                                                    " is truncated or corrupt (libtorch cannot read it: ",
+                                                    first_line(error), "); expected a complete checkpoint")));
     }
     if (!archive_.try_read(kCheckpointKey, ours_)) {
       throw CheckpointError(concat("trainloop: ", path_.string(), " holds no trainloop state (no '", kCheckpointKey,
@@ -194,12 +191,91 @@ class CheckpointFile {
   /// Format, writer and run that wrote it.
   const CheckpointHeader& header() const { return header_; }
 
-  /// Copies the checkpoint's parameters and buffers into `model`.
+  /// One tensor of the model and the checkpoint's value for it, checked to fit.
+  struct TensorCopy {
+    torch::Tensor target;  ///< the model's parameter or buffer
+    torch::Tensor stored;  ///< the checkpoint's value, same shape and dtype
+  };
+
+  /// Checks every parameter and buffer of `model` against the checkpoint (present, same shape,
+  /// same dtype) without changing anything, and returns the copies to make.
   /// @throws trainloop::CheckpointError naming the first parameter or buffer that is missing or
-  ///         has another shape, with both shapes.
-  void load_model(torch::nn::Module& model) {
+  ///         has another shape or dtype, with both.
+  std::vector<TensorCopy> checked_model_tensors(torch::nn::Module& model) {
+    std::vector<TensorCopy> copies;
+    collect_module(model, archive_, "", copies);
+    return copies;
+  }
+
+  /// Copies what checked_model_tensors() returned into the model (cannot fail on a shape).
+  static void copy_model_tensors(const std::vector<TensorCopy>& copies) {
     torch::NoGradGuard no_grad;
-    load_module(model, archive_, "");
+    for (const auto& copy : copies) copy.target.copy_(copy.stored);
+  }
+
+  /// Copies the checkpoint's parameters and buffers into `model`, all or nothing.
+  /// @throws trainloop::CheckpointError (see checked_model_tensors()); the model is unchanged then.
+  void load_model(torch::nn::Module& model) { copy_model_tensors(checked_model_tensors(model)); }
+
+  /// Checks that the checkpoint's optimizer state fits `optimizer` without changing it: as many
+  /// parameter groups of the same sizes, and, for libtorch's per-parameter optimizers (SGD, Adam,
+  /// AdamW, Adagrad, RMSprop), every per-parameter state tensor shaped like its parameter.
+  /// @throws trainloop::CheckpointError naming the group, parameter or state entry that differs.
+  void check_optimizer(const torch::optim::Optimizer& optimizer) {
+    torch::serialize::InputArchive saved, groups, states;
+    if (!ours_.try_read("optimizer", saved) || !saved.try_read("param_groups", groups)) {
+      throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " lacks the optimizer state; expected a ",
+                                   "complete trainloop checkpoint"));
+    }
+    torch::Tensor count;
+    if (!groups.try_read("param_groups/size", count)) {
+      throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " lacks the optimizer's parameter groups; ",
+                                   "expected a complete trainloop checkpoint"));
+    }
+    const auto& param_groups = optimizer.param_groups();
+    const int64_t saved_groups = count.item<int64_t>();
+    if (saved_groups != static_cast<int64_t>(param_groups.size())) {
+      throw CheckpointError(concat("trainloop: the optimizer state in checkpoint ", path_.string(), " has ", saved_groups,
+                                   " parameter groups and this optimizer ", param_groups.size(),
+                                   "; expected the optimizer type and parameter groups that wrote it"));
+    }
+    const bool per_parameter = dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr ||
+                               dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
+                               dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr ||
+                               dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr ||
+                               dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr;
+    const bool has_states = saved.try_read("state", states);
+    for (int64_t g = 0; g < saved_groups; ++g) {
+      torch::serialize::InputArchive group;
+      torch::Tensor size;
+      const auto params = param_groups[static_cast<size_t>(g)].params();
+      if (!groups.try_read("param_groups/" + std::to_string(g), group) || !group.try_read("params/size", size) ||
+          size.item<int64_t>() != static_cast<int64_t>(params.size())) {
+        throw CheckpointError(concat("trainloop: the optimizer state in checkpoint ", path_.string(),
+                                     " has a parameter group ", g, " of ", size.defined() ? size.item<int64_t>() : -1,
+                                     " parameters and this optimizer's has ", params.size(),
+                                     "; expected the optimizer type and parameter groups that wrote it"));
+      }
+      if (!per_parameter || !has_states) continue;
+      for (size_t i = 0; i < params.size(); ++i) {
+        c10::IValue key;
+        torch::serialize::InputArchive state;
+        if (!group.try_read("params/" + std::to_string(i), key) || !key.isString() ||
+            !states.try_read(key.toStringRef(), state)) {
+          continue;  // no state yet for this parameter (saved before its first step)
+        }
+        for (const auto& name : state.keys()) {
+          torch::Tensor value;
+          if (!state.try_read(name, value) || value.dim() == 0) continue;  // a step count, not per element
+          if (value.sizes() != params[i].sizes()) {
+            throw CheckpointError(concat("trainloop: the optimizer state in checkpoint ", path_.string(), " does not fit ",
+                                         "this model: '", name, "' of parameter ", i, " in group ", g, " has shape ",
+                                         value.sizes(), " in the checkpoint and the parameter ", params[i].sizes(),
+                                         "; expected the optimizer of this model"));
+          }
+        }
+      }
+    }
   }
 
   /// Loads the optimizer's state, param-group options included.
@@ -209,9 +285,9 @@ class CheckpointFile {
     try {
       load_optimizer_state(optimizer, optimizer_archive);
     } catch (const c10::Error& error) {
-      throw CheckpointError(concat("trainloop: the optimizer state in checkpoint ", path_.string(),
-                                   " does not fit this optimizer (", first_line(error),
-                                   "); expected the optimizer type and parameter groups that wrote it"));
+      std::throw_with_nested(CheckpointError(concat("trainloop: the optimizer state in checkpoint ", path_.string(),
+                                                    " does not fit this optimizer (", first_line(error),
+                                                    "); expected the optimizer type and parameter groups that wrote it")));
     }
   }
 
@@ -247,7 +323,8 @@ class CheckpointFile {
     return p;
   }
 
-  /// Restores each callback whose key the checkpoint has (others keep their state).
+  /// Restores each callback whose key the checkpoint has (others keep their state). Not all or
+  /// nothing by itself: restore_checkpoint() (checkpoint/restore.hpp) rolls back on a failure.
   void load_callbacks(const KeyedCallbacks& callbacks) {
     torch::serialize::InputArchive all;
     if (!ours_.try_read("callbacks", all)) return;
@@ -290,14 +367,16 @@ class CheckpointFile {
     return value;
   }
 
-  /// Module::load with an error that names the parameter: reads every parameter, buffer and
-  /// child exactly where Module::save wrote it, checking shapes before copying.
-  void load_module(torch::nn::Module& module, torch::serialize::InputArchive& archive, const std::string& prefix) {
-    auto load_tensor = [&](const std::string& name, torch::Tensor& target, bool is_buffer, const char* kind) {
+  /// Module::load's walk, checking instead of copying: reads every parameter, buffer and child
+  /// exactly where Module::save wrote it and checks its shape and dtype against the model's.
+  void collect_module(torch::nn::Module& module, torch::serialize::InputArchive& archive, const std::string& prefix,
+                      std::vector<TensorCopy>& copies) {
+    auto check_tensor = [&](const std::string& name, const torch::Tensor& target, bool is_buffer, const char* kind) {
       torch::Tensor stored;
       if (!archive.try_read(name, stored, is_buffer)) {
         throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " has no ", kind, " '", prefix + name,
-                                     "' of shape ", target.sizes(), "; expected a checkpoint of this model"));
+                                     "'", target.defined() ? concat(" of shape ", target.sizes()) : std::string(),
+                                     "; expected a checkpoint of this model"));
       }
       if (!target.defined()) return;
       if (stored.sizes() != target.sizes()) {
@@ -305,10 +384,15 @@ class CheckpointFile {
                                      " '", prefix + name, "' has shape ", stored.sizes(), " in the checkpoint and ",
                                      target.sizes(), " in the model; expected a checkpoint of this model"));
       }
-      target.copy_(stored);
+      if (stored.scalar_type() != target.scalar_type()) {
+        throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " does not fit this model: ", kind,
+                                     " '", prefix + name, "' has dtype ", stored.scalar_type(), " in the checkpoint and ",
+                                     target.scalar_type(), " in the model; expected a checkpoint of this model"));
+      }
+      copies.push_back({target, stored});
     };
-    for (auto& item : module.named_parameters(/*recurse=*/false)) load_tensor(item.key(), item.value(), false, "parameter");
-    for (auto& item : module.named_buffers(/*recurse=*/false)) load_tensor(item.key(), item.value(), true, "buffer");
+    for (const auto& item : module.named_parameters(/*recurse=*/false)) check_tensor(item.key(), item.value(), false, "parameter");
+    for (const auto& item : module.named_buffers(/*recurse=*/false)) check_tensor(item.key(), item.value(), true, "buffer");
     for (const auto& child : module.named_children()) {
       if (!child.value()->is_serializable()) continue;
       torch::serialize::InputArchive child_archive;
@@ -316,7 +400,7 @@ class CheckpointFile {
         throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " has no submodule '",
                                      prefix + child.key(), "'; expected a checkpoint of this model"));
       }
-      load_module(*child.value(), child_archive, prefix + child.key() + ".");
+      collect_module(*child.value(), child_archive, prefix + child.key() + ".", copies);
     }
   }
 

@@ -47,11 +47,13 @@ inline torch::Tensor capture_rng_state() {
   return torch::cat(parts);
 }
 
-/// Restores what capture_rng_state() packed; generators the packed state has no entry for
-/// (fewer CUDA devices when it was written) keep theirs.
+/// The generator states inside what capture_rng_state() packed, checked and unpacked, in
+/// rng_generators() order; nothing is restored.
 /// @throws trainloop::ConfigurationError when `packed` is not such a tensor.
-inline void restore_rng_state(const torch::Tensor& packed) {
+inline std::vector<torch::Tensor> unpack_rng_state(const torch::Tensor& packed) {
   const torch::Tensor bytes = packed.to(torch::kCPU).contiguous();
+  TRAINLOOP_CHECK(bytes.scalar_type() == torch::kUInt8, "the random number generator state has dtype ",
+                  bytes.scalar_type(), "; expected Byte, as written by trainloop");
   const auto* data = bytes.data_ptr<uint8_t>();
   const int64_t size = bytes.numel();
   auto read_int = [&](int64_t offset) {
@@ -65,16 +67,26 @@ inline void restore_rng_state(const torch::Tensor& packed) {
   TRAINLOOP_CHECK(count >= 1 && count <= 1024, "the random number generator state lists ", count,
                   " generators; expected 1 (CPU) or more");
   int64_t offset = static_cast<int64_t>((1 + count) * sizeof(int64_t));
-  auto generators = rng_generators();
+  std::vector<torch::Tensor> states;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t length = read_int(static_cast<int64_t>((1 + i) * sizeof(int64_t)));
     TRAINLOOP_CHECK(length >= 0 && offset + length <= size, "the random number generator state is truncated; "
                     "expected ", offset + length, " bytes, got ", size);
-    if (i < static_cast<int64_t>(generators.size())) {
-      std::lock_guard<std::mutex> lock(generators[static_cast<size_t>(i)].mutex());
-      generators[static_cast<size_t>(i)].set_state(bytes.narrow(0, offset, length).clone());
-    }
+    states.push_back(bytes.narrow(0, offset, length).clone());
     offset += length;
+  }
+  return states;
+}
+
+/// Restores what capture_rng_state() packed, after checking all of it; generators the packed
+/// state has no entry for (fewer CUDA devices when it was written) keep theirs.
+/// @throws trainloop::ConfigurationError when `packed` is not such a tensor (nothing restored).
+inline void restore_rng_state(const torch::Tensor& packed) {
+  const std::vector<torch::Tensor> states = unpack_rng_state(packed);
+  auto generators = rng_generators();
+  for (size_t i = 0; i < states.size() && i < generators.size(); ++i) {
+    std::lock_guard<std::mutex> lock(generators[i].mutex());
+    generators[i].set_state(states[i]);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/data/any_dataset.hpp>
@@ -240,7 +241,7 @@ class FitRunner {
     if (epoch_sums_ != nullptr && progress_.mid_epoch()) {
       snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums_->packed_totals().to(torch::kCPU)));
     }
-    std::string failure;
+    std::exception_ptr failure;
     if (writes) {
       try {
         CheckpointHeader header;
@@ -249,15 +250,15 @@ class FitRunner {
         header.world_size = engine.world_size();
         header.batch_size = options_.batch_size();
         write_checkpoint(path, module_, optimizer_, snapshot, callbacks, rng, header);
-      } catch (const std::exception& e) {
-        failure = e.what();
+      } catch (...) {
+        failure = std::current_exception();
       }
     }
     // Every rank learns whether it worked, so none trains on believing work is saved.
-    if (engine.any_rank(!failure.empty())) {
-      throw Error(failure.empty() ? concat("trainloop: another rank could not write the checkpoint ", path.string(),
-                                           " (its error names the cause); training stops so no work is lost unsaved")
-                                  : failure);
+    if (engine.any_rank(failure != nullptr)) {
+      if (failure) std::rethrow_exception(failure);  // as itself: a CheckpointError naming the path and the reason
+      throw CheckpointError(concat("trainloop: another rank could not write the checkpoint ", path.string(),
+                                   " (its error names the cause); training stops so no work is lost unsaved"));
     }
   }
 
@@ -269,19 +270,15 @@ class FitRunner {
     std::optional<torch::Device> device;
     if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
     CheckpointFile file(path, device);
-    file.load_model(module_);
-    file.load_optimizer(optimizer_);
-    progress_ = file.progress();
-    file.load_callbacks(callbacks);
+    // All or nothing: a checkpoint that does not fit leaves the loop as it was (checkpoint/restore.hpp).
+    progress_ = restore_checkpoint(file, module_, optimizer_, callbacks,
+                                   restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt);
     // The partial epoch's sums: with the world size that wrote them each rank continues its own;
     // otherwise rank 0 continues their sum (the samples are re-sharded, the totals stay exact).
     if (progress_.partial_totals.defined() && progress_.partial_totals.size(0) != engine.world_size()) {
       progress_.partial_totals = progress_.partial_totals.sum(0, /*keepdim=*/true);
       const int64_t per_step = options_.batch_size() * engine.world_size();
       progress_.batches_into_epoch = static_cast<int64_t>(progress_.samples_into_epoch) / std::max<int64_t>(per_step, 1);
-    }
-    if (restore_rng) {
-      if (auto rng = file.rng_state(engine.rank())) restore_rng_state(*rng);
     }
   }
 

@@ -53,7 +53,10 @@ inline bool is_peer_failure_text(std::string_view text) {
   static constexpr std::string_view kMarkers[] = {
       "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
       "Timed out waiting",        "timed out",                 "NCCL communicator was aborted",
-      "ncclRemoteError",          "Connection refused"};
+      "ncclRemoteError",          "Connection refused",
+      // trainloop's own words for a collective decision another rank's failure forced (a
+      // checkpoint another rank could not write): that rank's error is the one to report.
+      "another rank could not"};
   for (auto marker : kMarkers) {
     if (text.find(marker) != std::string_view::npos) return true;
   }

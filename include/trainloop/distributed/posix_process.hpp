@@ -3,6 +3,7 @@
 /// @brief The POSIX process plumbing of the launcher: signal names, this process's argv, whether
 /// a process still lives, and scoped changes to signal dispositions while ranks run.
 
+#include <trainloop/detail/process_identity.hpp>
 #include <trainloop/error.hpp>
 
 #include <csignal>
@@ -61,26 +62,9 @@ inline std::string read_tail(const std::filesystem::path& path, std::size_t max_
   return text;
 }
 
-/// When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22), or 0 when
-/// it does not exist. A pid with its start time names one process: pids are reused, this pair
-/// is not.
-inline std::uint64_t process_start_time(long pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto name_end = stat.rfind(')');  // the command name may hold spaces and ')'
-  if (name_end == std::string::npos) return 0;
-  std::istringstream fields(stat.substr(name_end + 2));
-  std::string field;
-  for (int index = 3; index <= 22 && fields >> field; ++index) {
-    if (index == 22) return std::stoull(field);
-  }
-  return 0;
-}
-
-/// True while the process `pid` that started at `start_time` (process_start_time) is alive.
-inline bool process_alive(long pid, std::uint64_t start_time) {
-  return pid > 0 && start_time != 0 && process_start_time(pid) == start_time;
-}
+// Whether a process still lives: shared with the removal of dead writers' temporary files.
+using ::trainloop::detail::process_alive;
+using ::trainloop::detail::process_start_time;
 
 /// Set from a signal handler while launch() runs; the watch loop polls it.
 inline volatile std::sig_atomic_t launcher_interrupt = 0;

@@ -33,22 +33,8 @@ inline std::filesystem::path temporary_root() {
   return std::filesystem::path(tmp && *tmp ? tmp : "/tmp");
 }
 
-/// Which machine and pid namespace a pid belongs to: boot id, host name and pid namespace of
-/// this process. A TMPDIR shared by several machines (scratch file systems) or by containers
-/// with separate pid namespaces holds directories whose owner pids mean nothing here.
-inline std::string pid_domain() {
-  std::string boot_id;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  std::error_code ignored;
-  const auto namespace_link = std::filesystem::read_symlink("/proc/self/ns/pid", ignored).string();
-  std::string domain = boot_id + "/" + host + "/" + namespace_link;
-  for (char& c : domain) {
-    if (c == ' ' || c == '\n') c = '_';
-  }
-  return domain;
-}
+/// Which machine and pid namespace a pid belongs to (see detail/process_identity.hpp).
+using ::trainloop::detail::pid_domain;
 
 /// Creates `<parent>/<prefix>-<pid>-XXXXXX` with an owner file naming this process.
 /// @throws trainloop::Error naming the pattern when the directory cannot be created.

@@ -6,6 +6,7 @@
 #include <trainloop/detail/batch_split.hpp>
 #include <trainloop/detail/blas_threads.hpp>
 #include <trainloop/detail/error_context.hpp>
+#include <trainloop/detail/replica_forward_order.hpp>
 #include <trainloop/detail/replica_set.hpp>
 #include <trainloop/detail/worker_pool.hpp>
 #include <trainloop/distributed/threads.hpp>
@@ -20,6 +21,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -83,9 +85,18 @@ namespace gpu_mode {
 ///
 /// **Requirements.** The criterion and the model's forward are called from several threads at
 /// once (on different replicas): they must not mutate shared state (libtorch's loss modules and
-/// layers do not). Layers that draw random numbers on the CPU (dropout) share torch's one CPU
-/// generator between replicas, so CPU runs with dropout are not bitwise reproducible. Only
-/// registered parameters and buffers are copied between replicas (other member state is not).
+/// layers do not). Only registered parameters and buffers are copied between replicas (other
+/// member state is not).
+///
+/// **Random layers** (dropout) draw from their device's generator: one for the CPU, one per CUDA
+/// device. With reproducible() (the default), replicas that share a generator (CPU replicas, or
+/// several on one CUDA device) run their forward passes one after another in replica order when
+/// the model draws random numbers, so two runs with the same seed train the same weights bit for
+/// bit, and a resumed run equals an uninterrupted one. Whether it draws is seen on the first
+/// training batch of each fit() (a generator whose state its forward changed); a model that
+/// draws nothing keeps fully parallel forwards. Backward passes, and replicas on different CUDA
+/// devices, always run at once. reproducible(false) runs every forward at once: faster for CPU
+/// replicas with dropout, but the masks then depend on thread timing.
 /// Batches are `torch::data::Example<>`, or a type with `std::vector<Batch> split(int64_t parts) const`.
 ///
 /// **Errors.** An exception in any replica's forward or backward is rethrown on the calling thread
@@ -128,6 +139,8 @@ struct DataParallel {
   /// Intra-op threads of each replica's worker; 0 chooses max(1, cores / replicas), or keeps
   /// libtorch's default when OMP_NUM_THREADS is set.
   TORCH_ARG(int, threads_per_replica) = 0;
+  /// Replicas that share a random generator draw from it in replica order (see "Random layers").
+  TORCH_ARG(bool, reproducible) = true;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief Throws trainloop::Error when the device list is empty, names a CUDA device this
@@ -181,6 +194,7 @@ class DataParallelEngine {
   /// Refreshes the replicas from the model (which may have changed since the last fit()).
   void begin_fit(torch::optim::Optimizer&) {
     ensure_started();
+    random_draws_ = RandomDraws::Unknown;  // seen again on this fit's first batch
     replicas_->clear_replica_gradients();
     replicas_->copy_to_replicas(/*only_changed=*/false);
   }
@@ -194,9 +208,27 @@ class DataParallelEngine {
     const auto shards = split_batch(batch, static_cast<int64_t>(replicas_->size()));
     const double batch_samples = static_cast<double>(batch_size_of(batch));
     std::vector<StepOutput> outputs(shards.size());
+    // Random layers: forwards sharing a generator in replica order (see the policy's documentation).
+    const bool ordered = mode_.reproducible() && forward_order_->shares_generators() && random_draws_ != RandomDraws::No;
+    const bool probing = ordered && random_draws_ == RandomDraws::Unknown;
+    std::vector<char> drew(shards.size(), 0);
+    if (ordered) forward_order_->begin();
     try {
       run_on_replicas(shards.size(), "training", [&](size_t r) {
-        StepOutput out = forward(replicas_->replica(r), batch_to_device(shards[r], replicas_->device(r)));
+        StepOutput out;
+        {
+          struct Turn {
+            ReplicaForwardOrder* order;
+            size_t replica;
+            ~Turn() {
+              if (order != nullptr) order->done(replica);
+            }
+          } turn{ordered ? &*forward_order_ : nullptr, r};
+          if (ordered) forward_order_->wait_turn(r);
+          const torch::Tensor before = probing ? generator_state(replicas_->device(r)) : torch::Tensor();
+          out = forward(replicas_->replica(r), batch_to_device(shards[r], replicas_->device(r)));
+          if (probing) drew[r] = !torch::equal(before, generator_state(replicas_->device(r)));
+        }
         // Weighting by the shard's share makes the summed gradient the full batch's mean gradient.
         const double weight = loss_scale * static_cast<double>(batch_size_of(shards[r])) / batch_samples;
         (out.loss * weight).backward();
@@ -205,6 +237,9 @@ class DataParallelEngine {
     } catch (...) {
       replicas_->clear_replica_gradients();  // no half-accumulated gradients leak into a later step
       throw;
+    }
+    if (probing) {
+      random_draws_ = std::any_of(drew.begin(), drew.end(), [](char d) { return d != 0; }) ? RandomDraws::Yes : RandomDraws::No;
     }
     for (const auto& out : outputs) sink(out);
   }
@@ -254,6 +289,7 @@ class DataParallelEngine {
     }
     module_->to(devices_[0]);
     replicas_.emplace(module_, devices_);
+    forward_order_.emplace(devices_);
     pool_ = std::make_unique<WorkerPool>(devices_.size(), kCallerRunsReplica0);
     threads_per_replica_ = data_parallel_threads_per_replica(mode_, devices_.size());
     set_worker_threads();
@@ -328,6 +364,9 @@ class DataParallelEngine {
   std::shared_ptr<Module> module_;
   int threads_per_replica_ = 0;  // intra-op threads of each worker; 0: libtorch's default
   std::optional<ReplicaSet<Module>> replicas_;
+  std::optional<ReplicaForwardOrder> forward_order_;
+  /// Whether the model's forward draws random numbers, seen on the first batch of a fit.
+  enum class RandomDraws { Unknown, Yes, No } random_draws_ = RandomDraws::Unknown;
   std::unique_ptr<WorkerPool> pool_;  // declared last: its threads are joined before the replicas go
 };
 

@@ -1,0 +1,133 @@
+#pragma once
+/// @file
+/// @brief Loading a checkpoint into a loop all or nothing: a checkpoint that does not fit (another
+/// model, another optimizer, a callback that refuses its state) leaves the model, the optimizer,
+/// the progress, the random streams and the callbacks exactly as they were.
+///
+/// How: everything that can be checked is checked before anything changes (every parameter's and
+/// buffer's name, shape and dtype; the optimizer's groups and per-parameter state shapes; the
+/// progress; the random streams). What can only be found out by applying it (libtorch's optimizer
+/// load, a user's Callback::load_state) is applied to the optimizer and callbacks first, with
+/// their previous state kept in memory and put back on a failure. The model is copied last,
+/// when nothing can fail any more, so it needs no second copy of its weights.
+
+#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/rng_state.hpp>
+#include <trainloop/detail/optimizer_state.hpp>
+#include <trainloop/detail/training_progress.hpp>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainloop::detail {
+
+/// The optimizer's and the callbacks' state (and this process's random streams) as they were,
+/// put back by restore() unless commit() was called first.
+class StateUndo {
+ public:
+  StateUndo(torch::optim::Optimizer& optimizer, const KeyedCallbacks& callbacks)
+      : optimizer_(optimizer), rng_(capture_rng_state()) {
+    torch::serialize::OutputArchive archive;
+    save_optimizer_state(optimizer, archive);
+    archive.save_to(optimizer_bytes_);
+    for (const auto& [key, callback] : callbacks) {
+      torch::serialize::OutputArchive one;
+      callback->save_state(one);
+      std::ostringstream bytes;
+      one.save_to(bytes);
+      callbacks_.emplace_back(callback, bytes.str());
+    }
+  }
+  StateUndo(const StateUndo&) = delete;
+  StateUndo& operator=(const StateUndo&) = delete;
+  ~StateUndo() {
+    if (!committed_) restore();
+  }
+
+  /// Keeps the new state.
+  void commit() { committed_ = true; }
+
+ private:
+  /// Best effort: each part is put back even if another cannot be.
+  void restore() noexcept {
+    try {
+      std::istringstream bytes(optimizer_bytes_.str());
+      torch::serialize::InputArchive archive;
+      archive.load_from(bytes);
+      load_optimizer_state(optimizer_, archive);
+    } catch (...) {
+    }
+    for (auto& [callback, saved] : callbacks_) {
+      try {
+        std::istringstream bytes(saved);
+        torch::serialize::InputArchive archive;
+        archive.load_from(bytes);
+        callback->load_state(archive);
+      } catch (...) {
+      }
+    }
+    try {
+      restore_rng_state(rng_);
+    } catch (...) {
+    }
+  }
+
+  torch::optim::Optimizer& optimizer_;
+  std::ostringstream optimizer_bytes_;
+  std::vector<std::pair<Callback*, std::string>> callbacks_;
+  torch::Tensor rng_;
+  bool committed_ = false;
+};
+
+/// Loads `file` into `module`, `optimizer` and `callbacks`, and, when `rng_rank` is given, that
+/// rank's random streams into this process; returns the progress the checkpoint recorded. All or
+/// nothing (see the file comment).
+/// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
+inline TrainingProgress restore_checkpoint(CheckpointFile& file, torch::nn::Module& module,
+                                           torch::optim::Optimizer& optimizer, const KeyedCallbacks& callbacks,
+                                           std::optional<int64_t> rng_rank) {
+  // 1. Read and check, changing nothing.
+  const auto model_copies = file.checked_model_tensors(module);
+  TrainingProgress progress = file.progress();
+  file.check_optimizer(optimizer);
+  std::optional<torch::Tensor> rng;
+  if (rng_rank) {
+    rng = file.rng_state(*rng_rank);
+    if (rng) {
+      try {
+        unpack_rng_state(*rng);
+      } catch (const ConfigurationError&) {
+        std::throw_with_nested(CheckpointError(concat("trainloop: checkpoint ", file.path().string(), " holds a random ",
+                                                      "number generator state for rank ", *rng_rank, " that cannot be "
+                                                      "restored; expected a complete trainloop checkpoint")));
+      }
+    }
+  }
+  // 2. Apply what may still refuse, with the way back kept.
+  StateUndo undo(optimizer, callbacks);
+  file.load_optimizer(optimizer);
+  try {
+    file.load_callbacks(callbacks);
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& error) {
+    std::throw_with_nested(CheckpointError(concat("trainloop: a callback could not load its state from checkpoint ",
+                                                  file.path().string(), ": ", error.what(),
+                                                  "; expected a checkpoint written with the same callbacks")));
+  }
+  if (rng) restore_rng_state(*rng);
+  // 3. The model last: every tensor was checked, so the copies cannot fail on a shape or dtype.
+  CheckpointFile::copy_model_tensors(model_copies);
+  undo.commit();
+  return progress;
+}
+
+}  // namespace trainloop::detail
