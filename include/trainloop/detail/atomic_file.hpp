@@ -174,9 +174,24 @@ class BasicAtomicFile {
   /// reports every byte as written: libtorch 1.13's zip writer, told of a short write, fails an
   /// assertion and throws again from its destructor, which ends the program (measured: a full
   /// 8 MB tmpfs aborted the example with exit 134 and a core dump, naming no file).
+  ///
+  /// Small pieces (the zip format's headers, tens of bytes each) are gathered into one buffer
+  /// of kWriterBuffer bytes rather than a write() each, as libtorch's own file writer buffers
+  /// them. The example's 5 MB checkpoint: 6.5 ms against 6.3 ms through libtorch's file writer
+  /// (medians of 3 alternated processes of 15 writes; the spread, 6.0-8.6 ms, is larger).
   std::function<size_t(const void*, size_t)> writer() {
     return [this](const void* data, size_t size) -> size_t {
-      if (write_errno_ == 0 && !append(std::string_view(static_cast<const char*>(data), size))) write_errno_ = errno;
+      if (write_errno_ != 0) return size;
+      const std::string_view bytes(static_cast<const char*>(data), size);
+      if (pending_.size() + bytes.size() <= kWriterBuffer) {
+        pending_.append(bytes);
+        return size;
+      }
+      if (!flush_pending() || (!bytes.empty() && bytes.size() >= kWriterBuffer && !append(bytes))) {
+        if (write_errno_ == 0) write_errno_ = errno;
+        return size;
+      }
+      if (bytes.size() < kWriterBuffer) pending_.append(bytes);
       return size;
     };
   }
@@ -185,6 +200,7 @@ class BasicAtomicFile {
   /// @throws ErrorType naming the target and the system's reason when anything failed (also a
   ///         write through writer() before), leaving the previous target untouched.
   void commit() {
+    if (write_errno_ == 0 && !flush_pending()) write_errno_ = errno;
     if (write_errno_ != 0) {
       errno = write_errno_;
       fail("writing it failed");
@@ -203,6 +219,13 @@ class BasicAtomicFile {
   }
 
  private:
+  /// Writes what writer() gathered; false (errno set) on a failure.
+  bool flush_pending() {
+    const bool written = append(pending_);
+    pending_.clear();
+    return written;
+  }
+
   /// Writes all of `bytes`; false (errno set) on a failure.
   bool append(std::string_view bytes) {
     while (!bytes.empty()) {
@@ -227,6 +250,8 @@ class BasicAtomicFile {
   std::string what_;
   std::filesystem::path temporary_;
   int fd_ = -1;
+  static constexpr size_t kWriterBuffer = 1 << 16;
+  std::string pending_;  // writer()'s small pieces, not yet written
   int write_errno_ = 0;
   bool committed_ = false;
 };
