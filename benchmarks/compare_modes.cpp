@@ -441,7 +441,7 @@ int main(int argc, char** argv) {
       // 2-core development box Debian's libtorch starts with 1), while dp replicas and ddp ranks
       // divide the usable cores between them. --threads sets the count for hand and single: on a
       // machine loaded by other processes, 2 OpenMP threads on 2 cores measured ~3x slower than 1.
-      if (c.threads > 0) trainloop::dist::apply_intra_op_threads(c.threads);
+      if (c.threads > 0) trainloop::cpu::apply_intra_op_threads(c.threads);
       std::printf("compare_modes: workload %s, %lld samples, batch size %lld, device %s, %d torch threads, "
                   "%lld repetitions (order rotated each), dp %d replicas, ddp %d ranks\n",
                   c.workload.c_str(), static_cast<long long>(c.samples), static_cast<long long>(c.batch_size),

@@ -383,8 +383,8 @@ BOOST_AUTO_TEST_CASE(replica_threads_split_the_cores_without_touching_the_caller
 
   run(DP::cpu_replicas(2));
   const int automatic = std::getenv("OMP_NUM_THREADS") ? caller_threads
-                                                       : std::max(1, tl::dist::usable_cpu_count() / 2);
-  BOOST_TEST_MESSAGE("automatic, 2 replicas on " << tl::dist::usable_cpu_count() << " usable cores: workers saw "
+                                                       : std::max(1, trainloop::cpu::usable_cpu_count() / 2);
+  BOOST_TEST_MESSAGE("automatic, 2 replicas on " << trainloop::cpu::usable_cpu_count() << " usable cores: workers saw "
                                                  << *Probe::counts->begin() << " (expected " << automatic << ")");
   BOOST_TEST((*Probe::counts == std::set<int>{automatic}));
   BOOST_TEST(at::get_num_threads() == caller_threads);

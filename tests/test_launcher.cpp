@@ -159,28 +159,28 @@ BOOST_AUTO_TEST_SUITE(threads)
 
 BOOST_AUTO_TEST_CASE(cores_are_divided_unless_user_chose) {
   ScopedEnv no_omp("OMP_NUM_THREADS", std::nullopt);
-  const int cores = dist::usable_cpu_count();
+  const int cores = trainloop::cpu::usable_cpu_count();
   BOOST_TEST(cores >= 1);
-  BOOST_TEST(dist::intra_op_threads_for(1) == cores);
-  BOOST_TEST(dist::intra_op_threads_for(2) == std::max(1, cores / 2));
-  BOOST_TEST(dist::intra_op_threads_for(1000) == 1);
-  BOOST_TEST(*dist::omp_num_threads_for_children(1) == std::to_string(cores));
-  BOOST_CHECK_THROW(dist::intra_op_threads_for(0), trainloop::Error);
+  BOOST_TEST(trainloop::cpu::intra_op_threads_for(1) == cores);
+  BOOST_TEST(trainloop::cpu::intra_op_threads_for(2) == std::max(1, cores / 2));
+  BOOST_TEST(trainloop::cpu::intra_op_threads_for(1000) == 1);
+  BOOST_TEST(*trainloop::cpu::omp_num_threads_for_children(1) == std::to_string(cores));
+  BOOST_CHECK_THROW(trainloop::cpu::intra_op_threads_for(0), trainloop::Error);
   {
     ScopedEnv omp("OMP_NUM_THREADS", "3");
-    BOOST_TEST(dist::intra_op_threads_for(1) == 3);
-    BOOST_TEST(dist::intra_op_threads_for(1000) == 3);
-    BOOST_TEST(!dist::omp_num_threads_for_children(4).has_value());
+    BOOST_TEST(trainloop::cpu::intra_op_threads_for(1) == 3);
+    BOOST_TEST(trainloop::cpu::intra_op_threads_for(1000) == 3);
+    BOOST_TEST(!trainloop::cpu::omp_num_threads_for_children(4).has_value());
   }
   {
     ScopedEnv omp("OMP_NUM_THREADS", "4,2");
-    BOOST_TEST(dist::intra_op_threads_for(8) == 4);
+    BOOST_TEST(trainloop::cpu::intra_op_threads_for(8) == 4);
   }
   {
     ScopedEnv omp("OMP_NUM_THREADS", "many");
     std::string message;
     try {
-      dist::intra_op_threads_for(2);
+      trainloop::cpu::intra_op_threads_for(2);
     } catch (const trainloop::Error& error) {
       message = error.what();
     }
@@ -190,10 +190,10 @@ BOOST_AUTO_TEST_CASE(cores_are_divided_unless_user_chose) {
 
 BOOST_AUTO_TEST_CASE(apply_sets_torch_threads) {
   const int before = at::get_num_threads();
-  dist::apply_intra_op_threads(1);
+  trainloop::cpu::apply_intra_op_threads(1);
   BOOST_TEST(at::get_num_threads() == 1);
-  dist::apply_intra_op_threads(before);
-  BOOST_CHECK_THROW(dist::apply_intra_op_threads(0), trainloop::Error);
+  trainloop::cpu::apply_intra_op_threads(before);
+  BOOST_CHECK_THROW(trainloop::cpu::apply_intra_op_threads(0), trainloop::Error);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
@@ -213,7 +213,7 @@ BOOST_AUTO_TEST_CASE(three_ranks_succeed_with_their_environment) {
     BOOST_TEST(launcher.master_port() >= 1);
     const auto& ranks = launcher.launch();
     BOOST_REQUIRE(ranks.size() == 3u);
-    const std::string threads = std::to_string(dist::intra_op_threads_for(3));
+    const std::string threads = std::to_string(trainloop::cpu::intra_op_threads_for(3));
     for (int rank = 0; rank < 3; ++rank) {
       BOOST_TEST(ranks[rank].succeeded());
       BOOST_TEST(ranks[rank].rank == rank);

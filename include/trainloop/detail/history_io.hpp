@@ -2,14 +2,10 @@
 /// @file
 /// @brief Writes and reads a History as text, so a spawned rank can hand it to the launcher.
 
-#include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/history.hpp>
 
-#include <filesystem>
-#include <fstream>
 #include <iomanip>
-#include <iterator>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -40,11 +36,6 @@ inline std::string history_to_text(const History& history) {
     out << '\n';
   }
   return out.str();
-}
-
-/// Writes history_to_text() to `path`, atomically.
-inline void write_history(const History& history, const std::filesystem::path& path) {
-  write_file_atomically(path, history_to_text(history), "the training history");
 }
 
 /// Parses what history_to_text() wrote.
@@ -88,13 +79,6 @@ inline History history_from_text(const std::string& text) {
     if (is_epoch) history.epochs.push_back(std::move(record));
   }
   return history;
-}
-
-/// Reads what write_history() wrote.
-inline History read_history(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  TRAINLOOP_CHECK(in.good(), "cannot read the training history from ", path.string());
-  return history_from_text(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
 }
 
 }  // namespace trainloop::detail

@@ -38,7 +38,7 @@
 #include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/distributed/run_directory.hpp>
 #include <trainloop/distributed/spawned_rank.hpp>
-#include <trainloop/distributed/threads.hpp>
+#include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
 
 #include <algorithm>
@@ -159,8 +159,8 @@ inline void Launcher::remove_run_dir() noexcept {
 inline std::vector<std::string> Launcher::child_environment(int local_rank) const {
   const auto& o = options_;
   EnvVars overrides;
-  if (auto threads = omp_num_threads_for_children(o.nprocs())) overrides["OMP_NUM_THREADS"] = *threads;
-  if (auto blas = blas_threads_for_children()) overrides["OPENBLAS_NUM_THREADS"] = *blas;
+  if (auto threads = cpu::omp_num_threads_for_children(o.nprocs())) overrides["OMP_NUM_THREADS"] = *threads;
+  if (auto blas = cpu::blas_threads_for_children()) overrides["OPENBLAS_NUM_THREADS"] = *blas;
   for (const auto& [name, value] : o.env()) overrides[name] = value;
   overrides[env_names::rank] = std::to_string(o.node_rank() * o.nprocs() + local_rank);
   overrides[env_names::world_size] = std::to_string(o.nnodes() * o.nprocs());

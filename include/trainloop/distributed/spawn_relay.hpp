@@ -15,6 +15,7 @@
 /// removed when the process exits, or by the next launcher if it was killed) keeps the state
 /// after each call (fit\<k\>.ckpt); each launch's run directory lives inside it.
 
+#include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/fit_actions.hpp>
 #include <trainloop/detail/history_io.hpp>

@@ -9,7 +9,7 @@
 #include <trainloop/detail/replica_forward_order.hpp>
 #include <trainloop/detail/replica_set.hpp>
 #include <trainloop/detail/worker_pool.hpp>
-#include <trainloop/distributed/threads.hpp>
+#include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/gpu_mode/single.hpp>
@@ -270,11 +270,10 @@ class DataParallelEngine {
   size_t replica_count() const { return devices_.size(); }
 
  private:
-  // Measured on the 2-core development box: running replica 0 on the calling thread saves one
-  // hand-off, 2-3 us per batch (an empty 2-replica round trip took 9-12 us instead of 7-10 us),
-  // lost in the noise of whole epochs; but replica 0 would then compute with the caller's
-  // intra-op thread count. So every replica has its own worker and the caller only waits.
-  static constexpr bool kCallerRunsReplica0 = false;
+  // Every replica has its own worker and the caller only waits. Measured on the 2-core
+  // development box: running replica 0 on the calling thread would save one hand-off, 2-3 us per
+  // batch (an empty 2-replica round trip took 9-12 us instead of 7-10 us), lost in the noise of
+  // whole epochs; but replica 0 would then compute with the caller's intra-op thread count.
 
   /// "cuda" means the current CUDA device; name it, so every worker can select it.
   static torch::Device with_index(const torch::Device& device) {
@@ -290,7 +289,7 @@ class DataParallelEngine {
     module_->to(devices_[0]);
     replicas_.emplace(module_, devices_);
     forward_order_.emplace(devices_);
-    pool_ = std::make_unique<WorkerPool>(devices_.size(), kCallerRunsReplica0);
+    pool_ = std::make_unique<WorkerPool>(devices_.size());
     threads_per_replica_ = data_parallel_threads_per_replica(mode_, devices_.size());
     set_worker_threads();
   }
@@ -304,8 +303,7 @@ class DataParallelEngine {
     // process-wide value, which the workers' set_num_threads changes).
     const int caller_threads = at::get_num_threads();
     std::mutex one_at_a_time;
-    auto errors = pool_->run(devices_.size(), [&](size_t r) {
-      if (kCallerRunsReplica0 && r == 0) return;
+    auto errors = pool_->run(devices_.size(), [&](size_t) {
       std::lock_guard<std::mutex> lock(one_at_a_time);
       at::get_num_threads();  // the worker's lazy initialisation first, or it would undo the next line
       at::set_num_threads(per_replica);

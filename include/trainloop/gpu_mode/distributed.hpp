@@ -20,7 +20,7 @@
 #include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/distributed/spawn_relay.hpp>
-#include <trainloop/distributed/threads.hpp>
+#include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/mode_interface.hpp>
 #include <trainloop/gpu_mode/single.hpp>
@@ -171,7 +171,7 @@ class DistributedEngine {
   /// before fit() is exact too. In the launching process: nothing (it evaluates locally).
   void prepare() {
     if (!env_ || group_) return;
-    dist::apply_intra_op_threads(dist::intra_op_threads_for(env_->local_world_size));
+    cpu::apply_intra_op_threads(cpu::intra_op_threads_for(env_->local_world_size));
     module_->to(device_);
     dist::ProcessGroupOptions options;
     options.backend = mode_.backend();
