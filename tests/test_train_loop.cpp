@@ -489,3 +489,16 @@ BOOST_AUTO_TEST_CASE(freed_memory_stays_in_the_process_after_a_fit) {
   BOOST_TEST_MESSAGE("minor page faults for 5 x 64 MiB allocations after the first: " << after - before);
   BOOST_TEST(after - before < 1000);  // fresh mmaps would fault 5 x 16384 pages
 }
+
+BOOST_AUTO_TEST_CASE(two_metrics_of_one_name_are_a_configuration_error_naming_both) {
+  // TopKAccuracy(1) is named "accuracy", as Accuracy is: one would overwrite the other in History.
+  const std::string message = error_of([] {
+    tl::TrainLoopOptions()
+        .metrics({std::make_shared<tl::Accuracy>(), std::make_shared<tl::TopKAccuracy>(5), std::make_shared<tl::TopKAccuracy>(1)})
+        .validate();
+  });
+  BOOST_TEST(message.find("metrics 1 and 3 of the options are both named 'accuracy'; expected distinct names") !=
+                 std::string::npos,
+             message);
+  BOOST_CHECK_NO_THROW(tl::TrainLoopOptions().metrics({std::make_shared<tl::Accuracy>(), std::make_shared<tl::TopKAccuracy>(5)}).validate());
+}

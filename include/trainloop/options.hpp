@@ -65,6 +65,15 @@ struct TrainLoopOptions {
                     "; expected 1 or more");
     TRAINLOOP_CHECK(clip_grad_norm_ >= 0.0, "clip_grad_norm is ", clip_grad_norm_, "; expected 0 (off) or a positive norm");
     for (const auto& metric : metrics_) TRAINLOOP_CHECK(metric != nullptr, "a metric in the options is null");
+    // A metric's name keys its value in History, the CSV and TensorBoard: a second one of the
+    // same name would silently overwrite the first.
+    for (size_t i = 0; i < metrics_.size(); ++i) {
+      for (size_t j = i + 1; j < metrics_.size(); ++j) {
+        TRAINLOOP_CHECK(metrics_[i]->name() != metrics_[j]->name(), "metrics ", i + 1, " and ", j + 1, " of the options ",
+                        "are both named '", metrics_[i]->name(), "'; expected distinct names (each names its value in ",
+                        "History, the CSV and TensorBoard)");
+      }
+    }
     TRAINLOOP_CHECK(num_threads_ >= 0, "num_threads is ", num_threads_, "; expected 0 (automatic) or a positive count");
   }
   /// @brief The evaluation batch size after applying the 0 = batch_size rule.
