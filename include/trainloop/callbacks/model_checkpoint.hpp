@@ -18,6 +18,7 @@
 /// error naming the path, unless stop_on_error(false) (then it is reported and training goes on).
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/callbacks/model_checkpoint_options.hpp>
 #include <trainloop/callbacks/monitor.hpp>
 #include <trainloop/checkpoint/checkpoint_names.hpp>
 #include <trainloop/detail/atomic_file.hpp>
@@ -46,44 +47,6 @@
 
 namespace trainloop {
 
-
-/// @brief Options of ModelCheckpoint; only the directory is required.
-struct ModelCheckpointOptions {
-  /// @param directory where the checkpoints go (created if missing)
-  explicit ModelCheckpointOptions(std::filesystem::path directory) : directory_(std::move(directory)) {}
-  /// Directory of the checkpoints.
-  TORCH_ARG(std::filesystem::path, directory);
-  /// Write one at the end of every N-th epoch; 0: not by epoch.
-  TORCH_ARG(int64_t, every_n_epochs) = 1;
-  /// Write one after every N-th optimizer step (inside epochs too); 0: not by step.
-  TORCH_ARG(int64_t, every_n_steps) = 0;
-  /// Write one when this many minutes passed since the last one (checked after every step); 0: not by time.
-  TORCH_ARG(double, every_minutes) = 0.0;
-  /// Periodic checkpoints kept (the newest); 0 keeps all.
-  TORCH_ARG(int64_t, keep_last) = 1;
-  /// The value that ranks checkpoints for keep_best: "val_loss", "val_<metric>", "train_loss",
-  /// "train_<metric>" (e.g. "val_accuracy"). Empty: no best checkpoints.
-  TORCH_ARG(std::string, monitor) = "";
-  /// Whether smaller or larger values of `monitor` are better.
-  TORCH_ARG(MonitorMode, mode) = MonitorMode::Min;
-  /// Best checkpoints kept (by `monitor`, checked at the end of every epoch); 0: none.
-  TORCH_ARG(int64_t, keep_best) = 1;
-  /// A checkpoint that cannot be written stops training (true) or is reported and skipped (false).
-  TORCH_ARG(bool, stop_on_error) = true;
-
- public:  // TORCH_ARG leaves the section private.
-  /// @brief Throws trainloop::ConfigurationError naming the first option out of range.
-  void validate() const {
-    TRAINLOOP_CHECK(!directory_.empty(), "the checkpoint directory is empty; expected a path");
-    TRAINLOOP_CHECK(every_n_epochs_ >= 0 && every_n_steps_ >= 0 && every_minutes_ >= 0.0,
-                    "checkpoint intervals are every ", every_n_epochs_, " epochs, ", every_n_steps_, " steps, ",
-                    every_minutes_, " minutes; expected 0 (off) or positive values");
-    TRAINLOOP_CHECK(monitor_.find_first_of(std::string("/\0", 2)) == std::string::npos, "the monitored value is '",
-                    monitor_, "'; expected a name without '/' (it becomes part of a file name)");
-    TRAINLOOP_CHECK(keep_last_ >= 0 && keep_best_ >= 0, "keep_last is ", keep_last_, " and keep_best ", keep_best_,
-                    "; expected 0 or more");
-  }
-};
 
 /// @brief Writes checkpoints during fit() (see checkpoint/checkpoint_file.hpp for what is in one).
 ///
@@ -292,16 +255,14 @@ class ModelCheckpoint : public Callback {
     files_.surplus.clear();
   }
 
-  /// On fit begin, after a restore: finishes what an interrupted save left (see the class comment).
+  /// On fit begin, after a restore: finishes what an interrupted save left (see the class
+  /// comment). on_fit_begin clears the surplus list afterwards, on every rank.
   void tidy_up() {
-    detail::remove_dead_temporaries(directory());
+    detail::remove_dead_temporaries(directory());  // every fit: writers may have died since the last
     std::optional<std::pair<CheckpointPosition, std::string>> newest;
     auto consider = [&](const std::string& name) {
       const auto position = parse_checkpoint_name(name);
-      if (position && (!newest || std::pair(position->epoch, position->step) >
-                                      std::pair(newest->first.epoch, newest->first.step))) {
-        newest.emplace(*position, name);
-      }
+      if (position && (!newest || newer(*position, newest->first))) newest.emplace(*position, name);
     };
     for (const auto& name : files_.recent) consider(name);
     for (const auto& entry : files_.best) consider(entry.second);
@@ -314,7 +275,6 @@ class ModelCheckpoint : public Callback {
                            std::any_of(files_.best.begin(), files_.best.end(), [&](const auto& e) { return e.second == name; });
       if (!tracked) remove_own_file(name);
     }
-    files_.surplus.clear();
   }
 
   /// Makes `link` a second name of `target`, atomically (a hard link under a temporary name, renamed).

@@ -104,23 +104,29 @@ inline std::optional<CheckpointPosition> parse_checkpoint_name(std::string_view 
   return position;
 }
 
+/// @brief Whether checkpoint position `a` is newer than `b` (by epoch, then step).
+inline bool newer(const CheckpointPosition& a, const CheckpointPosition& b) {
+  return a.epoch != b.epoch ? a.epoch > b.epoch : a.step > b.step;
+}
+
 /// @brief The checkpoints in `directory`, newest first by the position in their names, so the
 /// newest complete checkpoint comes first whatever `last.ckpt` points at (a kill between a
 /// write and the update of the link leaves it pointing at the older one). Temporary files are
 /// never listed. A `last.ckpt` that is a regular file rather than a link (copied with its
 /// content) comes after the named ones, as a last resort.
 inline std::vector<std::filesystem::path> checkpoint_candidates(const std::filesystem::path& directory) {
-  std::vector<std::pair<std::pair<int64_t, int64_t>, std::filesystem::path>> found;
+  std::vector<std::pair<CheckpointPosition, std::filesystem::path>> found;
   std::error_code error;
   for (std::filesystem::directory_iterator it(directory, error), end; !error && it != end; it.increment(error)) {
     const std::string name = it->path().filename().string();
     if (detail::is_temporary_name(name)) continue;
-    if (const auto position = parse_checkpoint_name(name)) found.push_back({{position->epoch, position->step}, it->path()});
+    if (const auto position = parse_checkpoint_name(name)) found.emplace_back(*position, it->path());
   }
   // Newest first; for one position, the file names in a fixed order (a periodic and a best
   // checkpoint of one epoch end hold the same state).
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
+    if (newer(a.first, b.first) || newer(b.first, a.first)) return newer(a.first, b.first);
+    return a.second < b.second;
   });
   std::vector<std::filesystem::path> paths;
   for (const auto& entry : found) paths.push_back(entry.second);

@@ -13,6 +13,7 @@
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/detail/optimizer_state.hpp>
 #include <trainloop/detail/training_progress.hpp>

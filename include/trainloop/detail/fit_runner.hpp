@@ -7,6 +7,7 @@
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>

@@ -211,7 +211,7 @@ class DataParallelEngine {
     // Random layers: forwards sharing a generator in replica order (see the policy's documentation).
     const bool ordered = mode_.reproducible() && forward_order_->shares_generators() && random_draws_ != RandomDraws::No;
     const bool probing = ordered && random_draws_ == RandomDraws::Unknown;
-    std::vector<char> drew(shards.size(), 0);
+    std::vector<char> drew(probing ? shards.size() : 0, 0);  // only on a fit's first batch
     if (ordered) forward_order_->begin();
     try {
       run_on_replicas(shards.size(), "training", [&](size_t r) {
