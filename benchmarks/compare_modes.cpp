@@ -224,7 +224,7 @@ Run trainloop_run(const Config& c, const std::string& mode_name, const trainloop
   run.steps = history.total_steps;
   run.loss = history.last().train_loss;
   // In a rank, an earlier DDP fit() returns its recorded History without training: no step file.
-  const bool launched_ranks = ddp && !trainloop::dist::detect_rank_env();
+  const bool launched_ranks = ddp && !trainloop::distributed::detect_rank_env();
   if (launched_ranks) run.step_seconds = read_step_file(c.ddp_steps_path());
   if (!ddp) run.step_seconds = timer->step_seconds();
   if (mode_name == "single") run.threads = bench::thread_description(at::get_num_threads());
@@ -357,12 +357,12 @@ void write_csv(const Config& c, const std::vector<Summary>& rows) {
 template <class Model>
 int run_benchmark(const Config& c, const bench::TensorPair& data) {
   const trainloop::data::AnyDataset<> train = trainloop::data::TensorDataset(data.inputs, data.targets, 10);
-  const auto rank_env = trainloop::dist::detect_rank_env();
+  const auto rank_env = trainloop::distributed::detect_rank_env();
   if (rank_env) {
     // A DDP rank re-running main(): replay the DDP fit() calls in the parent's order; the one
     // this rank was started for trains and ends the process, earlier ones return at once.
-    TRAINLOOP_CHECK(rank_env->source == trainloop::dist::RankEnvSource::Trainloop,
-                    "compare_modes was started as a rank by ", trainloop::dist::to_string(rank_env->source),
+    TRAINLOOP_CHECK(rank_env->source == trainloop::distributed::RankEnvSource::Trainloop,
+                    "compare_modes was started as a rank by ", trainloop::distributed::to_string(rank_env->source),
                     "; expected a plain process (it launches its DDP ranks itself)");
     for (int64_t rep = 0; rep < c.repetitions; ++rep)
       for (const auto& mode : rotated(c.modes, rep))
@@ -429,7 +429,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const auto rank_env = trainloop::dist::detect_rank_env();
+    const auto rank_env = trainloop::distributed::detect_rank_env();
     const bool in_rank = rank_env.has_value();
     const torch::Device device = c.device();
     // A rank keeps the data on its own device, as single and dp keep it on theirs.

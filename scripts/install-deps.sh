@@ -2,7 +2,7 @@
 # Installs what trainloop needs to build, test, document and run its examples on Debian 12.
 #
 #   scripts/install-deps.sh               # build + test + docs + example dependencies
-#   scripts/install-deps.sh --benchmarks  # also python3-torch, for the PyTorch comparison
+#   scripts/install-deps.sh --benchmarks  # the same (kept for scripts; python3-torch is now a test dependency)
 #
 # Idempotent and fast when there is nothing to do: when every package is already installed it
 # runs neither `apt-get update` nor `apt-get install`. Runs apt as root, or through sudo.
@@ -24,10 +24,10 @@ packages=(
   dataset-fashion-mnist            # /usr/share/datasets/fashion-mnist, examples and tests
   doxygen                          # API docs (ctest doxygen_no_warnings)
   iproute2                         # `ip` and `ss`: network interfaces and ports of distributed runs
+  python3-torch                    # PyTorch 1.13: the reference of the tests that compare with Python
+  python3-torchvision              # (test_python_weights: torchvision's resnet18) and the benchmarks' peer
 )
 benchmark_packages=(
-  python3-torch                    # PyTorch 1.13, the Python peer of the benchmarks
-  python3-torchvision              # torchvision's ImageFolder + DataLoader, the image_folder benchmark's peer
 )
 
 want_benchmarks=0

@@ -22,14 +22,14 @@
 #include <thread>
 #include <unistd.h>
 
-namespace dist = trainloop::dist;
+namespace distributed = trainloop::distributed;
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
 namespace {
 
 
-void run_scenario(const dist::RankEnv& env) {
+void run_scenario(const distributed::RankEnv& env) {
   const std::string scenario = env_or("TL_TEST_SCENARIO");
   const fs::path out = env_or("TL_TEST_OUT_DIR", env.run_dir);
   write_file(out / ("pid" + std::to_string(env.rank)), std::to_string(::getpid()));
@@ -91,10 +91,10 @@ int main(int argc, char** argv) {
     write_file(argv[2], "ran");
     return 0;
   }
-  auto env = dist::detect_rank_env();
-  if (!env || env->source != dist::RankEnvSource::Trainloop) {
-    std::fprintf(stderr, "launcher_child: expected to be started by trainloop::dist::Launcher\n");
+  auto env = distributed::detect_rank_env();
+  if (!env || env->source != distributed::RankEnvSource::Trainloop) {
+    std::fprintf(stderr, "launcher_child: expected to be started by trainloop::distributed::Launcher\n");
     return 2;
   }
-  return dist::run_reporting_failure(*env, [&] { run_scenario(*env); });
+  return distributed::run_reporting_failure(*env, [&] { run_scenario(*env); });
 }

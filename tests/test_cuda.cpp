@@ -21,7 +21,7 @@
 #include <string>
 
 namespace tl = trainloop;
-namespace dist = trainloop::dist;
+namespace distributed = trainloop::distributed;
 
 namespace {
 
@@ -44,7 +44,7 @@ struct OneRankJob {
     ::setenv("LOCAL_RANK", "0", 1);
     ::setenv("LOCAL_WORLD_SIZE", "1", 1);
     ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(dist::find_free_port()).c_str(), 1);
+    ::setenv("MASTER_PORT", std::to_string(distributed::find_free_port()).c_str(), 1);
   }
 };
 BOOST_TEST_GLOBAL_FIXTURE(OneRankJob);
@@ -66,9 +66,9 @@ torch::Tensor five_steps(Mode mode) {
 
 BOOST_AUTO_TEST_CASE(nccl_collectives_on_one_rank, *boost::unit_test::precondition(cuda_present)) {
   const torch::Device cuda("cuda:0");
-  auto group = dist::ProcessGroup::create(dist::ProcessGroupOptions{
-      .master_port = dist::find_free_port(), .backend = dist::Backend::Nccl, .device = cuda});
-  BOOST_TEST((group.backend() == dist::Backend::Nccl));
+  auto group = distributed::ProcessGroup::create(distributed::ProcessGroupOptions{
+      .master_port = distributed::find_free_port(), .backend = distributed::Backend::Nccl, .device = cuda});
+  BOOST_TEST((group.backend() == distributed::Backend::Nccl));
   auto x = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat32).device(cuda));
   group.all_reduce_sum(x);
   BOOST_TEST(torch::equal(x.cpu(), torch::arange(6, torch::kFloat32)));
@@ -84,7 +84,7 @@ BOOST_AUTO_TEST_CASE(nccl_collectives_on_one_rank, *boost::unit_test::preconditi
   torch::manual_seed(1);
   Mlp net;
   net->to(cuda);
-  dist::GradientReducer reducer(*net, group, dist::GradientReducerOptions{256, 1024, true});
+  distributed::GradientReducer reducer(*net, group, distributed::GradientReducerOptions{256, 1024, true});
   auto data = make_data(16, 3);
   auto batch = data.get_batch({0, 1, 2, 3, 4, 5, 6, 7});
   auto loss = torch::nn::functional::cross_entropy(net->forward(batch.data.to(cuda)), batch.target.to(cuda));

@@ -170,7 +170,7 @@ BOOST_AUTO_TEST_CASE(a_master_port_in_use_is_a_clear_error) {
 
 BOOST_AUTO_TEST_CASE(ranks_started_by_hand_with_torchrun_variables_join_the_job) {
   // Two processes started the way torchrun starts them; each one's fit() returns.
-  const int port = tl::dist::find_free_port();
+  const int port = tl::distributed::find_free_port();
   auto dir = fs::temp_directory_path() / ("trainloop_ddp_join_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -201,7 +201,7 @@ namespace {
 /// Runs `DDP_WORKER_PATH scenario` as `world` ranks started by hand with torchrun's variables;
 /// returns the combined output once all ended.
 std::string run_torchrun_style(const std::string& scenario, int world, const fs::path& dir, const std::string& env = "") {
-  const int port = tl::dist::find_free_port();
+  const int port = tl::distributed::find_free_port();
   std::string common = env + " WORLD_SIZE=" + std::to_string(world) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
                        " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " ";
   std::string command = "(";

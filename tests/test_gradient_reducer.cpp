@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-namespace dist = trainloop::dist;
+namespace distributed = trainloop::distributed;
 using namespace std::chrono_literals;
 
 namespace {
@@ -69,8 +69,8 @@ torch::Tensor loss_on(Mlp& model, int rank, int step) {
 }
 
 /// Caps that split the MLP into 3 buckets: {fc3}, {fc2}, {fc1, unused} in the normal layout.
-dist::GradientReducerOptions small_buckets(bool overlap = true) {
-  dist::GradientReducerOptions options;
+distributed::GradientReducerOptions small_buckets(bool overlap = true) {
+  distributed::GradientReducerOptions options;
   options.first_bucket_cap_bytes = 200;
   options.bucket_cap_bytes = 2000;
   options.overlap = overlap;
@@ -106,16 +106,16 @@ struct RankResult {
 };
 
 /// One training step (plus `micro_steps` accumulation steps under no_sync) on every rank.
-std::vector<RankResult> run_step(int world, bool reversed_registration, dist::GradientReducerOptions options,
+std::vector<RankResult> run_step(int world, bool reversed_registration, distributed::GradientReducerOptions options,
                                  int micro_steps = 0) {
   std::vector<RankResult> results(world);
-  run_ranks(world, [&](dist::ProcessGroup& group) {
+  run_ranks(world, [&](distributed::ProcessGroup& group) {
     const int rank = group.rank();
     RankResult& result = results[rank];
     Mlp model(reversed_registration);
-    dist::broadcast_module_state(*model, group);  // ranks start from rank 0's random init
+    distributed::broadcast_module_state(*model, group);  // ranks start from rank 0's random init
     Mlp reference = unhooked_copy(model, reversed_registration);
-    dist::GradientReducer reducer(*model, group, options);
+    distributed::GradientReducer reducer(*model, group, options);
     result.bucket_count = reducer.bucket_count();
     for (int step = 0; step < micro_steps; ++step) {
       auto guard = reducer.no_sync();
@@ -210,10 +210,10 @@ BOOST_AUTO_TEST_CASE(overlap_off_reduces_everything_in_finalize) {
 }
 
 BOOST_AUTO_TEST_CASE(default_caps_make_one_bucket_for_a_small_model_and_several_steps_work) {
-  run_ranks(2, [](dist::ProcessGroup& group) {
+  run_ranks(2, [](distributed::ProcessGroup& group) {
     Mlp model;
-    dist::broadcast_module_state(*model, group);
-    dist::GradientReducer reducer(*model, group);
+    distributed::broadcast_module_state(*model, group);
+    distributed::GradientReducer reducer(*model, group);
     RANK_TEST(reducer.bucket_count() == 1u);
     RANK_TEST(reducer.parameters().size() == 7u);
     torch::optim::SGD optimizer(model->parameters(), 0.1);
@@ -233,12 +233,12 @@ BOOST_AUTO_TEST_CASE(default_caps_make_one_bucket_for_a_small_model_and_several_
 }
 
 BOOST_AUTO_TEST_CASE(destructor_removes_the_hooks) {
-  run_ranks(1, [](dist::ProcessGroup& group) {
+  run_ranks(1, [](distributed::ProcessGroup& group) {
     Mlp model;
     std::vector<std::size_t> before;
     for (auto& p : model->parameters()) before.push_back(torch::autograd::impl::grad_accumulator(p)->post_hooks().size());
     {
-      dist::GradientReducer reducer(*model, group);
+      distributed::GradientReducer reducer(*model, group);
       for (std::size_t i = 0; i < before.size(); ++i) {
         RANK_TEST(torch::autograd::impl::grad_accumulator(model->parameters()[i])->post_hooks().size() == before[i] + 1);
       }
@@ -252,9 +252,9 @@ BOOST_AUTO_TEST_CASE(destructor_removes_the_hooks) {
 }
 
 BOOST_AUTO_TEST_CASE(backward_twice_without_finalize_is_an_error) {
-  run_ranks(1, [](dist::ProcessGroup& group) {
+  run_ranks(1, [](distributed::ProcessGroup& group) {
     Mlp model;
-    dist::GradientReducer reducer(*model, group, small_buckets());
+    distributed::GradientReducer reducer(*model, group, small_buckets());
     loss_on(model, 0, 0).backward();
     std::string message;
     try {
@@ -281,7 +281,7 @@ BOOST_AUTO_TEST_CASE(broadcast_module_state_copies_rank_0_parameters_and_buffers
     torch::nn::BatchNorm1d norm{nullptr};
   };
   std::vector<std::map<std::string, torch::Tensor>> states(3);
-  run_ranks(3, [&](dist::ProcessGroup& group) {
+  run_ranks(3, [&](distributed::ProcessGroup& group) {
     auto net = std::make_shared<NetImpl>();
     {
       torch::NoGradGuard no_grad;
@@ -289,7 +289,7 @@ BOOST_AUTO_TEST_CASE(broadcast_module_state_copies_rank_0_parameters_and_buffers
       net->norm->running_mean.fill_(10.0 * group.rank());
       net->norm->num_batches_tracked.fill_(100 + group.rank());  // int64 buffer: its own flat group
     }
-    dist::broadcast_module_state(*net, group);
+    distributed::broadcast_module_state(*net, group);
     for (const auto& item : net->named_parameters()) states[group.rank()][item.key()] = item.value().detach().clone();
     for (const auto& item : net->named_buffers()) states[group.rank()][item.key()] = item.value().clone();
     RANK_TEST(net->fc->weight.requires_grad());
@@ -304,10 +304,10 @@ BOOST_AUTO_TEST_CASE(broadcast_module_state_copies_rank_0_parameters_and_buffers
 BOOST_AUTO_TEST_CASE(different_models_are_an_error_on_every_rank_not_a_hang) {
   // 3 ranks; rank 2 has a wider hidden layer (same parameter count, different shapes).
   std::vector<std::string> messages(3);
-  auto errors = run_ranks_collecting(3, [&](dist::ProcessGroup& group) {
+  auto errors = run_ranks_collecting(3, [&](distributed::ProcessGroup& group) {
     Mlp model(false, group.rank() == 2 ? 16 : 32);
     try {
-      dist::check_same_parameter_shapes(*model, group);
+      distributed::check_same_parameter_shapes(*model, group);
     } catch (const trainloop::Error& error) {
       messages[group.rank()] = error.what();
     }
@@ -325,11 +325,11 @@ BOOST_AUTO_TEST_CASE(different_models_are_an_error_on_every_rank_not_a_hang) {
 
   // 2 ranks; rank 1 has one more layer: the counts differ.
   std::vector<std::string> count_messages(2);
-  errors = run_ranks_collecting(2, [&](dist::ProcessGroup& group) {
+  errors = run_ranks_collecting(2, [&](distributed::ProcessGroup& group) {
     Mlp model;
     if (group.rank() == 1) model->register_module("extra", torch::nn::Linear(4, 4));
     try {
-      dist::broadcast_module_state(*model, group);  // checks first, so it throws instead of hanging
+      distributed::broadcast_module_state(*model, group);  // checks first, so it throws instead of hanging
     } catch (const trainloop::Error& error) {
       count_messages[group.rank()] = error.what();
     }
@@ -345,9 +345,9 @@ BOOST_AUTO_TEST_CASE(different_models_are_an_error_on_every_rank_not_a_hang) {
 }
 
 BOOST_AUTO_TEST_CASE(same_models_pass_the_check) {
-  run_ranks(3, [](dist::ProcessGroup& group) {
+  run_ranks(3, [](distributed::ProcessGroup& group) {
     Mlp model;
-    dist::check_same_parameter_shapes(*model, group);  // throws on mismatch
+    distributed::check_same_parameter_shapes(*model, group);  // throws on mismatch
     RANK_TEST(group.world_size() == 3);
   });
 }

@@ -27,7 +27,7 @@
 // TL_TEST_ROLE=launcher makes a process a small launcher program of its own (for the tests
 // that kill or interrupt the launcher).
 
-namespace dist = trainloop::dist;
+namespace distributed = trainloop::distributed;
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
@@ -54,8 +54,8 @@ bool wait_for_file(const fs::path& path, std::chrono::milliseconds limit = 20s) 
 }
 
 /// Options that start `nprocs` ranks of tests/launcher_child running `scenario`.
-dist::LaunchOptions child_options(int nprocs, const std::string& scenario, const fs::path& out) {
-  return dist::LaunchOptions(nprocs)
+distributed::LaunchOptions child_options(int nprocs, const std::string& scenario, const fs::path& out) {
+  return distributed::LaunchOptions(nprocs)
       .executable(TL_LAUNCHER_CHILD)
       .argv({TL_LAUNCHER_CHILD})
       .env({{"TL_TEST_SCENARIO", scenario}, {"TL_TEST_OUT_DIR", out.string()}});
@@ -63,17 +63,17 @@ dist::LaunchOptions child_options(int nprocs, const std::string& scenario, const
 
 /// A launcher program of its own, started by the tests that kill or interrupt the launcher.
 [[noreturn]] void launcher_behaviour() {
-  dist::Launcher launcher(child_options(2, "sleep", env_or("TL_TEST_OUT_DIR")));
+  distributed::Launcher launcher(child_options(2, "sleep", env_or("TL_TEST_OUT_DIR")));
   write_file(fs::path(env_or("TL_TEST_OUT_DIR")) / "run_dir", launcher.run_dir());
   launcher.launch();
   ::_exit(0);
 }
 
 const bool ran_as_child = [] {
-  auto env = dist::detect_rank_env();
-  if (env && env->source == dist::RankEnvSource::Trainloop) {
-    dist::die_with_parent();
-    ::_exit(dist::run_reporting_failure(*env, [&] {
+  auto env = distributed::detect_rank_env();
+  if (env && env->source == distributed::RankEnvSource::Trainloop) {
+    distributed::die_with_parent();
+    ::_exit(distributed::run_reporting_failure(*env, [&] {
       // What this re-executed child got: argv and program, to compare with the parent's.
       std::string argv = read_file("/proc/self/cmdline");
       write_file(fs::path(env->run_dir) / ("argv" + std::to_string(env->rank)), argv);
@@ -113,7 +113,7 @@ bool process_gone(pid_t pid) { return ::kill(pid, 0) == -1 && errno == ESRCH; }
 using OutDir = TempDir;
 
 /// Runs launch() and returns its error message ("" when it did not throw) and its duration.
-std::pair<std::string, double> launch_expecting_failure(dist::Launcher& launcher) {
+std::pair<std::string, double> launch_expecting_failure(distributed::Launcher& launcher) {
   auto start = std::chrono::steady_clock::now();
   std::string message;
   try {
@@ -207,7 +207,7 @@ BOOST_AUTO_TEST_CASE(three_ranks_succeed_with_their_environment) {
   {
     auto options = child_options(3, "succeed", out.path);
     options.env()["TL_TEST_EXTRA"] = "x";
-    dist::Launcher launcher(options);
+    distributed::Launcher launcher(options);
     run_dir = launcher.run_dir();
     BOOST_TEST(fs::is_directory(run_dir));
     BOOST_TEST(launcher.master_port() >= 1);
@@ -229,7 +229,7 @@ BOOST_AUTO_TEST_CASE(three_ranks_succeed_with_their_environment) {
 }
 
 BOOST_AUTO_TEST_CASE(default_reexecutes_this_program_with_the_same_argv) {
-  dist::Launcher launcher(dist::LaunchOptions(2));
+  distributed::Launcher launcher(distributed::LaunchOptions(2));
   launcher.launch();
   const std::string own_argv = read_file("/proc/self/cmdline");
   const std::string own_exe = fs::read_symlink("/proc/self/exe").string();
@@ -244,10 +244,10 @@ BOOST_AUTO_TEST_CASE(default_reexecutes_this_program_with_the_same_argv) {
 BOOST_AUTO_TEST_CASE(user_thread_choice_and_node_offset_reach_children) {
   ScopedEnv omp("OMP_NUM_THREADS", "5");
   OutDir out;
-  const int port = dist::find_free_port();
+  const int port = distributed::find_free_port();
   std::string run_dir;
   {
-    dist::Launcher launcher(
+    distributed::Launcher launcher(
         child_options(2, "succeed", out.path).nnodes(3).node_rank(1).master_port(port).keep_run_dir(true));
     run_dir = launcher.run_dir();
     launcher.launch();
@@ -261,7 +261,7 @@ BOOST_AUTO_TEST_CASE(user_thread_choice_and_node_offset_reach_children) {
 
 BOOST_AUTO_TEST_CASE(failing_rank_stops_the_others_and_is_named) {
   OutDir out;
-  dist::Launcher launcher(child_options(3, "fail_rank1", out.path));
+  distributed::Launcher launcher(child_options(3, "fail_rank1", out.path));
   auto [message, seconds] = launch_expecting_failure(launcher);
   BOOST_TEST(seconds < 10.0);
   BOOST_TEST(contains(message, "rank 1 (local rank 1"), message);
@@ -280,7 +280,7 @@ BOOST_AUTO_TEST_CASE(failing_rank_stops_the_others_and_is_named) {
 
 BOOST_AUTO_TEST_CASE(rank_killed_by_signal_is_named_with_the_signal) {
   OutDir out;
-  dist::Launcher launcher(child_options(3, "sigkill_rank2", out.path));
+  distributed::Launcher launcher(child_options(3, "sigkill_rank2", out.path));
   auto [message, seconds] = launch_expecting_failure(launcher);
   BOOST_TEST(seconds < 10.0);
   BOOST_TEST(contains(message, "rank 2 (local rank 2"), message);
@@ -299,7 +299,7 @@ BOOST_AUTO_TEST_CASE(the_rank_that_crashed_is_named_not_the_peer_that_noticed) {
       OutDir out;
       auto options = child_options(2, "crash_and_peer_reports", out.path);
       options.env()["TL_TEST_PEER_DIES_OF"] = peer_dies_of;
-      dist::Launcher launcher(options);
+      distributed::Launcher launcher(options);
       auto [message, seconds] = launch_expecting_failure(launcher);
       BOOST_TEST(message.rfind("trainloop: rank 1 failed: killed by SIGSEGV", 0) == 0u, message);
       // Rank 0 either ended by itself (listed after rank 1) or was stopped by the launcher.
@@ -311,7 +311,7 @@ BOOST_AUTO_TEST_CASE(the_rank_that_crashed_is_named_not_the_peer_that_noticed) {
 
 BOOST_AUTO_TEST_CASE(a_rank_that_exits_0_before_its_work_is_done_is_a_failure) {
   OutDir out;
-  dist::Launcher launcher(child_options(2, "exit0_rank1", out.path).require_completion(true));
+  distributed::Launcher launcher(child_options(2, "exit0_rank1", out.path).require_completion(true));
   auto [message, seconds] = launch_expecting_failure(launcher);
   BOOST_TEST(seconds < 10.0);
   BOOST_TEST(contains(message, "rank 1 failed: exited with status 0 before its work was done"), message);
@@ -320,7 +320,7 @@ BOOST_AUTO_TEST_CASE(a_rank_that_exits_0_before_its_work_is_done_is_a_failure) {
 
 BOOST_AUTO_TEST_CASE(a_program_a_rank_starts_does_not_kill_itself) {
   OutDir out;
-  dist::Launcher launcher(child_options(2, "grandchild", out.path));
+  distributed::Launcher launcher(child_options(2, "grandchild", out.path));
   launcher.launch();
   for (int rank = 0; rank < 2; ++rank) {
     BOOST_TEST(read_file(out.path / ("grandchild_status" + std::to_string(rank))) == "0");
@@ -336,8 +336,8 @@ BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) 
   // without an owner file (not ours to judge).
   const fs::path dead = parent / "trainloop-run-999999999-abcdef";
   fs::create_directories(dead / "sub");
-  write_file(dead / "owner", "999999999 12345 " + dist::pid_domain() + "\n");
-  const fs::path alive = dist::create_owned_directory(parent, "trainloop-run");
+  write_file(dead / "owner", "999999999 12345 " + distributed::pid_domain() + "\n");
+  const fs::path alive = distributed::create_owned_directory(parent, "trainloop-run");
   const fs::path foreign = parent / "trainloop-something-else";
   fs::create_directories(foreign);
   // Owned by a process of another machine (a TMPDIR on shared scratch): its pid means nothing here.
@@ -345,7 +345,7 @@ BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) 
   fs::create_directories(other_machine);
   write_file(other_machine / "owner", "999999999 12345 another-boot-id/another-host/pid:[1]\n");
   {
-    dist::Launcher launcher(child_options(1, "succeed", out.path).run_dir_parent(parent.string()));
+    distributed::Launcher launcher(child_options(1, "succeed", out.path).run_dir_parent(parent.string()));
     launcher.launch();
   }
   BOOST_TEST(!fs::exists(dead));
@@ -356,7 +356,7 @@ BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) 
 
 BOOST_AUTO_TEST_CASE(rank_ignoring_sigterm_is_killed_after_grace) {
   OutDir out;
-  dist::Launcher launcher(child_options(2, "ignore_term", out.path).grace_period(500ms));
+  distributed::Launcher launcher(child_options(2, "ignore_term", out.path).grace_period(500ms));
   auto [message, seconds] = launch_expecting_failure(launcher);
   BOOST_TEST(seconds < 10.0);
   BOOST_TEST(contains(message, "rank 0 fails while rank 1 ignores SIGTERM"), message);
@@ -371,7 +371,7 @@ BOOST_AUTO_TEST_CASE(rank_ignoring_sigterm_is_killed_after_grace) {
 }
 
 BOOST_AUTO_TEST_CASE(taken_master_port_fails_before_spawning) {
-  const int port = dist::find_free_port();
+  const int port = distributed::find_free_port();
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -381,21 +381,21 @@ BOOST_AUTO_TEST_CASE(taken_master_port_fails_before_spawning) {
   BOOST_REQUIRE(::listen(fd, 1) == 0);
   std::string message;
   try {
-    dist::Launcher launcher(dist::LaunchOptions(2).master_port(port));
+    distributed::Launcher launcher(distributed::LaunchOptions(2).master_port(port));
   } catch (const trainloop::Error& error) {
     message = error.what();
   }
   ::close(fd);
   BOOST_TEST(contains(message, "port " + std::to_string(port) + " on 127.0.0.1 is already in use"), message);
-  BOOST_CHECK_THROW(dist::Launcher(dist::LaunchOptions(2).nnodes(2)), trainloop::Error);  // port 0
-  BOOST_CHECK_THROW(dist::Launcher(dist::LaunchOptions(0)), trainloop::Error);
+  BOOST_CHECK_THROW(distributed::Launcher(distributed::LaunchOptions(2).nnodes(2)), trainloop::Error);  // port 0
+  BOOST_CHECK_THROW(distributed::Launcher(distributed::LaunchOptions(0)), trainloop::Error);
 }
 
 BOOST_AUTO_TEST_CASE(program_that_cannot_start_is_reported) {
   OutDir out;
   auto options = child_options(2, "succeed", out.path);
   options.executable("/nonexistent/trainloop-rank").argv({"trainloop-rank"});
-  dist::Launcher launcher(options);
+  distributed::Launcher launcher(options);
   auto [message, seconds] = launch_expecting_failure(launcher);
   BOOST_TEST(contains(message, "cannot start rank 0 (/nonexistent/trainloop-rank)"), message);
   BOOST_TEST(launcher.ranks().empty());
@@ -413,7 +413,7 @@ BOOST_AUTO_TEST_CASE(sigint_with_a_user_handler_stops_ranks_and_throws) {
   ::sigaction(SIGINT, &user, &previous);
   user_handler_calls = 0;
   OutDir out;
-  dist::Launcher launcher(child_options(2, "sleep", out.path));
+  distributed::Launcher launcher(child_options(2, "sleep", out.path));
   std::thread interrupter([&] {
     if (wait_for_file(out.path / "pid0") && wait_for_file(out.path / "pid1")) ::kill(::getpid(), SIGINT);
   });

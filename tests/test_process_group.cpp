@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-namespace dist = trainloop::dist;
+namespace distributed = trainloop::distributed;
 using namespace std::chrono_literals;
 
 namespace {
@@ -37,10 +37,10 @@ BOOST_AUTO_TEST_SUITE(collectives)
 
 BOOST_AUTO_TEST_CASE(all_reduce_sum_is_exact_over_2_and_3_ranks) {
   for (int world : {2, 3}) {
-    run_ranks(world, [world](dist::ProcessGroup& group) {
+    run_ranks(world, [world](distributed::ProcessGroup& group) {
       RANK_TEST(group.rank() >= 0);
       RANK_TEST(group.world_size() == world);
-      RANK_TEST((group.backend() == dist::Backend::Gloo));
+      RANK_TEST((group.backend() == distributed::Backend::Gloo));
       const double r = group.rank();
       // single tensor
       torch::Tensor x = torch::full({5}, r + 1.0);
@@ -67,7 +67,7 @@ BOOST_AUTO_TEST_CASE(all_reduce_sum_is_exact_over_2_and_3_ranks) {
       RANK_TEST(torch::equal(a, torch::arange(6, torch::kFloat32).view({2, 3}) * (world * (world + 1) / 2.0 * world)));  // summed twice
       // async
       torch::Tensor y = torch::full({3}, 2.0 * r);
-      dist::WorkHandle work = group.all_reduce_sum_async(y);
+      distributed::WorkHandle work = group.all_reduce_sum_async(y);
       group.wait(work);
       RANK_TEST(torch::equal(y, torch::full({3}, 2.0 * ranks_sum)));
     });
@@ -75,7 +75,7 @@ BOOST_AUTO_TEST_CASE(all_reduce_sum_is_exact_over_2_and_3_ranks) {
 }
 
 BOOST_AUTO_TEST_CASE(broadcast_copies_the_root_values) {
-  run_ranks(3, [](dist::ProcessGroup& group) {
+  run_ranks(3, [](distributed::ProcessGroup& group) {
     const double r = group.rank();
     torch::Tensor a = torch::full({2, 2}, r);
     torch::Tensor b = torch::full({3}, static_cast<std::int64_t>(100 + group.rank()), torch::kInt64);
@@ -91,7 +91,7 @@ BOOST_AUTO_TEST_CASE(broadcast_copies_the_root_values) {
 }
 
 BOOST_AUTO_TEST_CASE(all_reduce_max_and_all_gather) {
-  run_ranks(3, [](dist::ProcessGroup& group) {
+  run_ranks(3, [](distributed::ProcessGroup& group) {
     torch::Tensor stop = torch::tensor({group.rank() == 1 ? 1 : 0}, torch::kInt64);
     group.all_reduce_max(stop);
     RANK_TEST(stop.item<std::int64_t>() == 1);
@@ -104,7 +104,7 @@ BOOST_AUTO_TEST_CASE(all_reduce_max_and_all_gather) {
 
 BOOST_AUTO_TEST_CASE(barrier_waits_for_the_slowest_rank) {
   std::vector<double> waited_ms(3, 0.0);
-  run_ranks(3, [&](dist::ProcessGroup& group) {
+  run_ranks(3, [&](distributed::ProcessGroup& group) {
     group.barrier();  // all ranks constructed
     if (group.rank() == 2) std::this_thread::sleep_for(400ms);
     const auto start = std::chrono::steady_clock::now();
@@ -121,11 +121,11 @@ BOOST_AUTO_TEST_SUITE_END()
 BOOST_AUTO_TEST_SUITE(errors)
 
 BOOST_AUTO_TEST_CASE(unreachable_master_times_out_with_address_and_timeout) {
-  const int port = dist::find_free_port();  // nobody listens there
+  const int port = distributed::find_free_port();  // nobody listens there
   auto options = thread_rank_options(/*rank=*/1, /*world_size=*/2, port);
   options.timeout = 1000ms;
   const auto start = std::chrono::steady_clock::now();
-  const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
+  const std::string message = error_of([&] { distributed::ProcessGroup::create(options); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   BOOST_TEST_MESSAGE("unreachable master: " << message << " after " << seconds << " s");
   RANK_TEST(seconds >= 0.8);  // it kept trying for about the timeout...
@@ -149,9 +149,9 @@ BOOST_AUTO_TEST_CASE(a_master_that_drops_packets_times_out_on_time) {
   const int port = ntohs(address.sin_port);
   const int filler = ::socket(AF_INET, SOCK_STREAM, 0);  // fills the queue of length 1
   BOOST_REQUIRE(::connect(filler, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
-  BOOST_REQUIRE((dist::probe_connection("127.0.0.1", port, 300ms) == dist::ConnectProbe::NoAnswer));
+  BOOST_REQUIRE((distributed::probe_connection("127.0.0.1", port, 300ms) == distributed::ConnectProbe::NoAnswer));
 
-  dist::ProcessGroupOptions options;
+  distributed::ProcessGroupOptions options;
   options.rank = 1;
   options.world_size = 2;
   options.master_port = port;
@@ -159,7 +159,7 @@ BOOST_AUTO_TEST_CASE(a_master_that_drops_packets_times_out_on_time) {
   const auto start = std::chrono::steady_clock::now();
   std::string message;
   try {
-    dist::ProcessGroup::create(options);
+    distributed::ProcessGroup::create(options);
   } catch (const trainloop::CommunicationError& error) {
     message = error.what();
   }
@@ -175,7 +175,7 @@ BOOST_AUTO_TEST_CASE(a_master_that_drops_packets_times_out_on_time) {
 }
 
 BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) {
-  const int port = dist::find_free_port();
+  const int port = distributed::find_free_port();
   std::vector<double> sums(2, 0.0);
   std::vector<std::exception_ptr> errors(2);
   std::vector<std::thread> ranks;
@@ -185,7 +185,7 @@ BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) 
         if (rank == 0) std::this_thread::sleep_for(400ms);  // server comes up late
         auto options = thread_rank_options(rank, 2, port);
         options.timeout = 1500ms;
-        dist::ProcessGroup group = dist::ProcessGroup::create(options);
+        distributed::ProcessGroup group = distributed::ProcessGroup::create(options);
         torch::Tensor x = torch::full({1}, rank + 1.0);
         group.all_reduce_sum(x);
         sums[rank] = x.item<double>();
@@ -203,7 +203,7 @@ BOOST_AUTO_TEST_CASE(a_client_may_start_before_the_server_with_a_short_timeout) 
 }
 
 BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
-  const int port = dist::find_free_port();
+  const int port = distributed::find_free_port();
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -213,7 +213,7 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
   BOOST_REQUIRE(::listen(listener, 4) == 0);
   auto options = thread_rank_options(/*rank=*/0, /*world_size=*/2, port);
   options.timeout = 1000ms;
-  const std::string message = error_of([&] { dist::ProcessGroup::create(options); });
+  const std::string message = error_of([&] { distributed::ProcessGroup::create(options); });
   ::close(listener);
   BOOST_TEST_MESSAGE("port in use: " << message);
   RANK_TEST(message.find("port " + std::to_string(port)) != std::string::npos);
@@ -222,21 +222,21 @@ BOOST_AUTO_TEST_CASE(port_in_use_on_rank_0_names_the_port) {
 
 BOOST_AUTO_TEST_CASE(bad_options_are_rejected_before_any_connection) {
   auto options = thread_rank_options(/*rank=*/2, /*world_size=*/2, 29500);
-  RANK_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
+  RANK_TEST(error_of([&] { distributed::ProcessGroup::create(options); }).find("rank is 2") != std::string::npos);
   options = thread_rank_options(0, 1, 0);
-  RANK_TEST(error_of([&] { dist::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
+  RANK_TEST(error_of([&] { distributed::ProcessGroup::create(options); }).find("master_port is 0") != std::string::npos);
   options = thread_rank_options(0, 1, 29500);
-  options.backend = dist::Backend::Nccl;
-  const std::string nccl = error_of([&] { dist::ProcessGroup::create(options); });
+  options.backend = distributed::Backend::Nccl;
+  const std::string nccl = error_of([&] { distributed::ProcessGroup::create(options); });
   RANK_TEST(nccl.find("nccl") != std::string::npos);
-  dist::ProcessGroup empty;
+  distributed::ProcessGroup empty;
   RANK_TEST(!empty.valid());
   RANK_TEST(error_of([&] { empty.barrier(); }).find("empty ProcessGroup") != std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(single_rank_group_is_an_identity) {
-  auto options = thread_rank_options(0, 1, dist::find_free_port());
-  dist::ProcessGroup group = dist::ProcessGroup::create(options);
+  auto options = thread_rank_options(0, 1, distributed::find_free_port());
+  distributed::ProcessGroup group = distributed::ProcessGroup::create(options);
   torch::Tensor x = torch::tensor({1.5, -2.0});
   group.all_reduce_sum(x);
   group.barrier();

@@ -13,8 +13,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-namespace dist = trainloop::dist;
-using dist::RankEnvSource;
+namespace distributed = trainloop::distributed;
+using distributed::RankEnvSource;
 
 namespace {
 
@@ -54,7 +54,7 @@ struct CleanRankEnvironment {
 /// The error message detect_rank_env throws, or "" when it does not throw.
 std::string detect_error() {
   try {
-    dist::detect_rank_env();
+    distributed::detect_rank_env();
   } catch (const trainloop::Error& error) {
     return error.what();
   }
@@ -87,12 +87,12 @@ const std::map<std::string, std::string> kSlurmVars = {
 BOOST_FIXTURE_TEST_SUITE(rank_env, CleanRankEnvironment)
 
 BOOST_AUTO_TEST_CASE(no_variables_means_not_a_rank) {
-  BOOST_TEST(!dist::detect_rank_env().has_value());
+  BOOST_TEST(!distributed::detect_rank_env().has_value());
 }
 
 BOOST_AUTO_TEST_CASE(trainloop_variables_are_read) {
   set(kTrainloopVars);
-  auto env = dist::detect_rank_env();
+  auto env = distributed::detect_rank_env();
   BOOST_REQUIRE(env.has_value());
   BOOST_TEST((env->source == RankEnvSource::Trainloop));
   BOOST_TEST(env->rank == 5);
@@ -111,11 +111,11 @@ BOOST_AUTO_TEST_CASE(trainloop_variables_win_over_torchrun_and_slurm) {
   set(kSlurmVars);
   set(kTorchrunVars);
   set(kTrainloopVars);
-  BOOST_TEST((dist::detect_rank_env()->source == RankEnvSource::Trainloop));
+  BOOST_TEST((distributed::detect_rank_env()->source == RankEnvSource::Trainloop));
   ::unsetenv("TRAINLOOP_RANK");
-  BOOST_TEST((dist::detect_rank_env()->source == RankEnvSource::Torchrun));
+  BOOST_TEST((distributed::detect_rank_env()->source == RankEnvSource::Torchrun));
   ::unsetenv("RANK");
-  BOOST_TEST((dist::detect_rank_env()->source == RankEnvSource::Slurm));
+  BOOST_TEST((distributed::detect_rank_env()->source == RankEnvSource::Slurm));
 }
 
 BOOST_AUTO_TEST_CASE(missing_trainloop_variable_is_named) {
@@ -128,7 +128,7 @@ BOOST_AUTO_TEST_CASE(missing_trainloop_variable_is_named) {
 BOOST_AUTO_TEST_CASE(torchrun_variables_are_read) {
   set(kTorchrunVars);
   set({{"TORCHELASTIC_USE_AGENT_STORE", "True"}});
-  auto env = dist::detect_rank_env();
+  auto env = distributed::detect_rank_env();
   BOOST_REQUIRE(env.has_value());
   BOOST_TEST((env->source == RankEnvSource::Torchrun));
   BOOST_TEST(env->rank == 3);
@@ -140,12 +140,12 @@ BOOST_AUTO_TEST_CASE(torchrun_variables_are_read) {
   BOOST_TEST(env->master_port == 29400);
   BOOST_TEST(env->use_agent_store);
   ::setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
-  BOOST_TEST(!dist::detect_rank_env()->use_agent_store);
+  BOOST_TEST(!distributed::detect_rank_env()->use_agent_store);
 }
 
 BOOST_AUTO_TEST_CASE(plain_env_init_without_local_variables_is_one_node) {
   set({{"RANK", "2"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1234"}});
-  auto env = dist::detect_rank_env();
+  auto env = distributed::detect_rank_env();
   BOOST_REQUIRE(env.has_value());
   BOOST_TEST(env->local_rank == 2);
   BOOST_TEST(env->local_world_size == 3);
@@ -181,7 +181,7 @@ BOOST_AUTO_TEST_CASE(malformed_values_name_variable_and_value) {
 
 BOOST_AUTO_TEST_CASE(slurm_variables_are_read_with_derived_master) {
   set(kSlurmVars);
-  auto env = dist::detect_rank_env();
+  auto env = distributed::detect_rank_env();
   BOOST_REQUIRE(env.has_value());
   BOOST_TEST((env->source == RankEnvSource::Slurm));
   BOOST_TEST(env->rank == 5);
@@ -193,7 +193,7 @@ BOOST_AUTO_TEST_CASE(slurm_variables_are_read_with_derived_master) {
   BOOST_TEST(env->master_port == 15000 + 123456 % 10000);
 
   set({{"MASTER_ADDR", "head"}, {"MASTER_PORT", "29999"}});
-  env = dist::detect_rank_env();
+  env = distributed::detect_rank_env();
   BOOST_TEST(env->master_addr == "head");
   BOOST_TEST(env->master_port == 29999);
 }
@@ -203,13 +203,13 @@ BOOST_AUTO_TEST_CASE(slurm_compressed_tasks_per_node) {
   ::unsetenv("SLURM_NTASKS_PER_NODE");
   set({{"SLURM_NTASKS", "7"}, {"SLURM_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_NODEID", "3"},
        {"SLURM_PROCID", "6"}, {"SLURM_LOCALID", "0"}});
-  auto env = dist::detect_rank_env();
+  auto env = distributed::detect_rank_env();
   BOOST_REQUIRE(env.has_value());
   BOOST_TEST(env->local_world_size == 1);
   ::setenv("SLURM_NODEID", "1", 1);
   ::setenv("SLURM_PROCID", "3", 1);
   ::setenv("SLURM_LOCALID", "1", 1);
-  BOOST_TEST(dist::detect_rank_env()->local_world_size == 2);
+  BOOST_TEST(distributed::detect_rank_env()->local_world_size == 2);
   ::setenv("SLURM_NODEID", "4", 1);  // only 4 nodes listed
   std::string message = detect_error();
   BOOST_TEST(contains(message, "SLURM_NODEID=4"), message);
@@ -218,43 +218,43 @@ BOOST_AUTO_TEST_CASE(slurm_compressed_tasks_per_node) {
 BOOST_AUTO_TEST_CASE(slurm_without_step_is_not_a_rank) {
   set(kSlurmVars);
   ::unsetenv("SLURM_STEP_ID");  // a bare salloc / sbatch shell
-  BOOST_TEST(!dist::detect_rank_env().has_value());
+  BOOST_TEST(!distributed::detect_rank_env().has_value());
 }
 
 BOOST_AUTO_TEST_CASE(slurm_default_port_without_job_id) {
   set(kSlurmVars);
   ::unsetenv("SLURM_JOB_ID");
-  BOOST_TEST(dist::detect_rank_env()->master_port == 29500);
+  BOOST_TEST(distributed::detect_rank_env()->master_port == 29500);
   ::setenv("SLURM_JOB_ID", "12a", 1);
   std::string message = detect_error();
   BOOST_TEST(contains(message, "SLURM_JOB_ID='12a'"), message);
 }
 
 BOOST_AUTO_TEST_CASE(slurm_nodelist_forms) {
-  BOOST_TEST(dist::slurm_first_host("node7") == "node7");
-  BOOST_TEST(dist::slurm_first_host("host1,host2") == "host1");
-  BOOST_TEST(dist::slurm_first_host("prefix[1-3,5]") == "prefix1");
-  BOOST_TEST(dist::slurm_first_host("prefix[5,1-3]") == "prefix5");
-  BOOST_TEST(dist::slurm_first_host("gpu[003-005],cpu[1-2]") == "gpu003");
-  BOOST_TEST(dist::slurm_first_host("rack[1-2]-n[4,6]") == "rack1-n4");
-  BOOST_CHECK_THROW(dist::slurm_first_host("prefix[1-3"), trainloop::Error);
-  BOOST_CHECK_THROW(dist::slurm_first_host(""), trainloop::Error);
+  BOOST_TEST(distributed::slurm_first_host("node7") == "node7");
+  BOOST_TEST(distributed::slurm_first_host("host1,host2") == "host1");
+  BOOST_TEST(distributed::slurm_first_host("prefix[1-3,5]") == "prefix1");
+  BOOST_TEST(distributed::slurm_first_host("prefix[5,1-3]") == "prefix5");
+  BOOST_TEST(distributed::slurm_first_host("gpu[003-005],cpu[1-2]") == "gpu003");
+  BOOST_TEST(distributed::slurm_first_host("rack[1-2]-n[4,6]") == "rack1-n4");
+  BOOST_CHECK_THROW(distributed::slurm_first_host("prefix[1-3"), trainloop::Error);
+  BOOST_CHECK_THROW(distributed::slurm_first_host(""), trainloop::Error);
 }
 
 BOOST_AUTO_TEST_CASE(slurm_nodelist_fallbacks) {
   set(kSlurmVars);
   ::unsetenv("SLURM_JOB_NODELIST");
   set({{"SLURM_NODELIST", "a,b"}});
-  BOOST_TEST(dist::detect_rank_env()->master_addr == "a");
+  BOOST_TEST(distributed::detect_rank_env()->master_addr == "a");
   set({{"SLURM_STEP_NODELIST", "step[7-8]"}});  // the step's own nodes win
-  BOOST_TEST(dist::detect_rank_env()->master_addr == "step7");
+  BOOST_TEST(distributed::detect_rank_env()->master_addr == "step7");
 }
 
 BOOST_AUTO_TEST_CASE(openmpi_variables_are_read) {
   set({{"OMPI_COMM_WORLD_RANK", "6"}, {"OMPI_COMM_WORLD_SIZE", "8"},
        {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
        {"MASTER_ADDR", "mpi-head"}, {"MASTER_PORT", "29600"}});
-  auto env = dist::detect_rank_env();
+  auto env = distributed::detect_rank_env();
   BOOST_REQUIRE(env.has_value());
   BOOST_TEST((env->source == RankEnvSource::OpenMPI));
   BOOST_TEST(env->rank == 6);
@@ -299,23 +299,23 @@ int listen_on(int port) {
 }
 
 BOOST_AUTO_TEST_CASE(found_port_can_be_bound) {
-  int port = dist::find_free_port();
+  int port = distributed::find_free_port();
   BOOST_TEST(port >= 1);
   BOOST_TEST(port <= 65535);
-  BOOST_CHECK_NO_THROW(dist::check_port_available("127.0.0.1", port));
+  BOOST_CHECK_NO_THROW(distributed::check_port_available("127.0.0.1", port));
   int fd = listen_on(port);
   BOOST_TEST(fd >= 0);
   ::close(fd);
-  BOOST_TEST(dist::find_free_port("localhost") >= 1);
+  BOOST_TEST(distributed::find_free_port("localhost") >= 1);
 }
 
 BOOST_AUTO_TEST_CASE(port_in_use_is_reported_with_its_number) {
-  int port = dist::find_free_port();
+  int port = distributed::find_free_port();
   int fd = listen_on(port);
   BOOST_REQUIRE(fd >= 0);
   std::string message;
   try {
-    dist::check_port_available("127.0.0.1", port);
+    distributed::check_port_available("127.0.0.1", port);
   } catch (const trainloop::Error& error) {
     message = error.what();
   }
@@ -324,13 +324,13 @@ BOOST_AUTO_TEST_CASE(port_in_use_is_reported_with_its_number) {
                                    " on 127.0.0.1 is already in use; pass another master port "
                                    "or 0 to pick a free one"),
              message);
-  BOOST_CHECK_NO_THROW(dist::check_port_available("127.0.0.1", port));  // free again
+  BOOST_CHECK_NO_THROW(distributed::check_port_available("127.0.0.1", port));  // free again
 }
 
 BOOST_AUTO_TEST_CASE(bad_port_or_host_is_rejected) {
-  BOOST_CHECK_THROW(dist::check_port_available("127.0.0.1", 0), trainloop::Error);
-  BOOST_CHECK_THROW(dist::check_port_available("127.0.0.1", 65536), trainloop::Error);
-  BOOST_CHECK_THROW(dist::find_free_port("no-such-host.invalid"), trainloop::Error);
+  BOOST_CHECK_THROW(distributed::check_port_available("127.0.0.1", 0), trainloop::Error);
+  BOOST_CHECK_THROW(distributed::check_port_available("127.0.0.1", 65536), trainloop::Error);
+  BOOST_CHECK_THROW(distributed::find_free_port("no-such-host.invalid"), trainloop::Error);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

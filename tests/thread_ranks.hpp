@@ -12,12 +12,12 @@
 #include <vector>
 
 /// Options for thread-rank `rank` of `world_size` on loopback at `port`, with a short timeout.
-inline trainloop::dist::ProcessGroupOptions thread_rank_options(int rank, int world_size, int port) {
-  trainloop::dist::ProcessGroupOptions options;
+inline trainloop::distributed::ProcessGroupOptions thread_rank_options(int rank, int world_size, int port) {
+  trainloop::distributed::ProcessGroupOptions options;
   options.rank = rank;
   options.world_size = world_size;
   options.master_port = port;
-  options.backend = trainloop::dist::Backend::Gloo;
+  options.backend = trainloop::distributed::Backend::Gloo;
   options.timeout = std::chrono::seconds(10);
   return options;
 }
@@ -25,14 +25,14 @@ inline trainloop::dist::ProcessGroupOptions thread_rank_options(int rank, int wo
 /// Runs `body(group)` on `world_size` thread-ranks; returns each rank's exception (null when it
 /// succeeded).
 inline std::vector<std::exception_ptr> run_ranks_collecting(
-    int world_size, const std::function<void(trainloop::dist::ProcessGroup&)>& body) {
-  const int port = trainloop::dist::find_free_port();
+    int world_size, const std::function<void(trainloop::distributed::ProcessGroup&)>& body) {
+  const int port = trainloop::distributed::find_free_port();
   std::vector<std::exception_ptr> errors(world_size);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world_size; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto group = trainloop::dist::ProcessGroup::create(thread_rank_options(rank, world_size, port));
+        auto group = trainloop::distributed::ProcessGroup::create(thread_rank_options(rank, world_size, port));
         body(group);
       } catch (...) {
         errors[rank] = std::current_exception();
@@ -44,7 +44,7 @@ inline std::vector<std::exception_ptr> run_ranks_collecting(
 }
 
 /// Runs `body(group)` on `world_size` thread-ranks; rethrows the first failing rank's exception.
-inline void run_ranks(int world_size, const std::function<void(trainloop::dist::ProcessGroup&)>& body) {
+inline void run_ranks(int world_size, const std::function<void(trainloop::distributed::ProcessGroup&)>& body) {
   for (auto& error : run_ranks_collecting(world_size, body)) {
     if (error) std::rethrow_exception(error);
   }

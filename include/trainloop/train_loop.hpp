@@ -5,16 +5,18 @@
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
-#include <trainloop/detail/fit_actions.hpp>
-#include <trainloop/detail/fit_runner.hpp>
-#include <trainloop/detail/training_progress.hpp>
+#include <trainloop/distributed/main_process.hpp>
+#include <trainloop/engine/fit_actions.hpp>
+#include <trainloop/loop/fit_runner.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/version.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/callbacks/lr_finder.hpp>
-#include <trainloop/detail/loop_snapshot.hpp>
+#include <trainloop/loop/loop_snapshot.hpp>
 #include <trainloop/cpu/allocator.hpp>
 #include <trainloop/cpu/threads.hpp>
 
@@ -54,8 +56,11 @@ class TrainLoop {
   using model_handle = typename detail::ModelHandle<Model>::stored_type;
   /// The engine that implements GpuMode for this model.
   using engine_type = typename GpuMode::template engine<module_type>;
-  static_assert(ModeEngine<engine_type> || requires(engine_type& e) { e.visit([](auto&) {}); },
-                "trainloop: GpuMode's engine does not implement the mode interface");
+  static_assert(ModeEngine<engine_type> || detail::is_any_engine_v<engine_type>,
+                "trainloop: GpuMode's engine does not implement the mode interface (engine/mode_engine.hpp: "
+                "is_main, rank, world_size, device, data_shard, all_reduce_sum, all_gather, any_rank, barrier, "
+                "prepare, begin_fit, end_fit, before_optimizer_step, after_optimizer_step), and it is not a "
+                "run-time choice of modes (gpu_mode::AnyOf)");
 
   /// @brief Builds the loop; nothing is moved or spawned until fit() or evaluate().
   /// @param model the model; it keeps the trained weights after fit()
@@ -179,9 +184,12 @@ class TrainLoop {
     return with_prepared_engine([&](auto& mode_engine) { return runner().predict(mode_engine, dataset); });
   }
 
-  /// @brief True on the process that should print and write files (rank 0; always true without DDP).
+  /// @brief True on the process that should print and write the user's files: the same answer
+  /// as trainloop::is_main_process() (the process the user started when trainloop spawns the
+  /// ranks, rank 0 under torchrun, Slurm or mpirun; always true without a distributed job).
+  /// Callbacks see their rank's role in TrainState::is_main instead (rank 0 writes checkpoints).
   bool is_main() {
-    return with_engine([](auto& mode_engine) { return mode_engine.is_main(); });
+    return is_main_process() && with_engine([](auto& mode_engine) { return mode_engine.is_main(); });
   }
   /// @brief Waits for every rank (nothing to wait for without DDP).
   void barrier() {
@@ -201,14 +209,13 @@ class TrainLoop {
     if constexpr (ModeEngine<engine_type>) {
       return f(*engine_);
     } else {
+      // Every engine returns the same type for one `f`; the single engine stands for them.
       using Result = std::invoke_result_t<F&, detail::SingleEngine<module_type>&>;
       return engine_->visit([&](auto& chosen) -> Result {
         if constexpr (detail::engine_supports_v<std::decay_t<decltype(chosen)>, Batch>) {
           return f(chosen);
         } else {
-          throw ConfigurationError("trainloop: gpu mode dp cannot train this model: DataParallel needs a module that derives "
-                      "from torch::nn::Cloneable or is default-constructible, and batches of "
-                      "torch::data::Example<> or with a split(parts) member; expected one of those, or mode single/ddp");
+          throw ConfigurationError("trainloop: " + detail::engine_cannot_train_text<std::decay_t<decltype(chosen)>>());
         }
       });
     }

@@ -24,6 +24,7 @@
 #include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
 #include <trainloop/gpu_mode/distributed.hpp>
+#include <trainloop/gpu_mode/mode_flags.hpp>
 #include <trainloop/gpu_mode/parse.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
@@ -37,7 +38,7 @@
 #include <trainloop/precision/precision.hpp>
 #include <trainloop/schedules/cosine_warmup.hpp>
 #include <trainloop/schedules/flat_cos.hpp>
-#include <trainloop/schedules/hyperparameters.hpp>
+#include <trainloop/optim/hyperparameters.hpp>
 #include <trainloop/schedules/multi_step.hpp>
 #include <trainloop/schedules/one_cycle.hpp>
 #include <trainloop/schedules/reduce_on_plateau.hpp>

@@ -31,20 +31,23 @@
 /// with DistributedDataParallel in spawn mode, between your process and the ranks: the callback
 /// objects you pass to fit() hold rank 0's state when fit() returns.
 
+#include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/history.hpp>
 
 #include <torch/torch.h>
 
-#include <cxxabi.h>
-
+#include <concepts>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
+#include <map>
 #include <memory>
 #include <string>
-#include <typeinfo>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace trainloop {
@@ -115,7 +118,7 @@ struct TrainState {
 };
 
 /// @brief Base class of callbacks; override the hooks you need (see the table in callback.hpp).
-class Callback {
+class Callback : public Stateful {
  public:
   virtual ~Callback() = default;
   /// @brief True for callbacks with side effects outside the process (printing, files): the loop
@@ -133,6 +136,10 @@ class Callback {
   /// may replace the input and the target (MixUp mixes samples and turns labels into soft
   /// targets). Runs on every rank, on this rank's whole micro-batch (before DataParallel splits it).
   virtual void on_train_batch(TrainState&, torch::Tensor& /*input*/, torch::Tensor& /*target*/) {}
+  /// @brief True for callbacks that work through on_train_batch (MixUp): it runs for batches of
+  /// torch::data::Example<> only, so fit() with another batch type refuses such a callback at its
+  /// start instead of training without it.
+  virtual bool needs_example_batches() const { return false; }
   /// @brief After each training micro-batch (forward and backward done).
   virtual void on_batch_end(TrainState&) {}
   /// @brief After the gradients are reduced (and clipped), just before the optimizer step: the
@@ -150,21 +157,59 @@ class Callback {
   /// (it is rethrown after every callback's on_fit_finally ran), or is null.
   virtual void on_fit_finally(TrainState&, const std::exception_ptr& /*error*/) {}
 
-  /// @brief Writes this callback's state (what it needs to continue exactly after a resume).
-  virtual void save_state(torch::serialize::OutputArchive&) const {}
-  /// @brief Restores what save_state() wrote.
-  virtual void load_state(torch::serialize::InputArchive&) {}
-  /// @brief The name this callback's state is stored under: its class name by default. The
-  /// loop appends "#2", "#3"... to repeated names, in the order the callbacks were given.
-  virtual std::string state_key() const {
-    int status = 0;
-    std::unique_ptr<char, void (*)(void*)> readable(
-        abi::__cxa_demangle(typeid(*this).name(), nullptr, nullptr, &status), std::free);
-    return status == 0 && readable ? std::string(readable.get()) : std::string(typeid(*this).name());
-  }
+  // State (save_state, load_state, state_key, state_optional) comes from Stateful
+  // (checkpoint/stateful.hpp): override save_state()/load_state() to keep state across resumes.
 };
 
-/// @brief The callbacks given to one fit() call.
-using CallbackList = std::vector<std::shared_ptr<Callback>>;
+/// @brief One callback given to fit(): by value (`FlatCos(1e-3)`, copied into the list) or as a
+/// shared_ptr (keep it to read the callback after fit(), e.g. a ModelCheckpoint's best()).
+class CallbackArg {
+ public:
+  /// @brief A callback you keep a handle to.
+  template <std::derived_from<Callback> T>
+  CallbackArg(std::shared_ptr<T> callback) : callback_(std::move(callback)) {}  // NOLINT: implicit on purpose
+  /// @brief A callback by value: the list holds its own copy.
+  template <class T>
+    requires std::derived_from<std::remove_cvref_t<T>, Callback>
+  CallbackArg(T&& callback)  // NOLINT: implicit on purpose
+      : callback_(std::make_shared<std::remove_cvref_t<T>>(std::forward<T>(callback))) {}
+  /// @brief The callback.
+  const std::shared_ptr<Callback>& get() const { return callback_; }
+
+ private:
+  std::shared_ptr<Callback> callback_;
+};
+
+/// @brief The callbacks given to one fit() call: `loop.fit(2, {FlatCos(1e-3), MixUp(0.1), checkpoint})`,
+/// callbacks by value and shared_ptrs mixed.
+class CallbackList : public std::vector<std::shared_ptr<Callback>> {
+ public:
+  CallbackList() = default;
+  /// @brief From callbacks by value or shared_ptrs, in the order the hooks run.
+  CallbackList(std::initializer_list<CallbackArg> callbacks) {
+    reserve(callbacks.size());
+    for (const auto& callback : callbacks) push_back(callback.get());
+  }
+  /// @brief From a vector of shared_ptrs.
+  CallbackList(std::vector<std::shared_ptr<Callback>> callbacks)  // NOLINT: implicit on purpose
+      : std::vector<std::shared_ptr<Callback>>(std::move(callbacks)) {}
+};
+
+namespace detail {
+
+/// Keys for `callbacks`' states: state_key(), with "#2", "#3"... for repeats, in order.
+inline KeyedStates keyed_callbacks(const CallbackList& callbacks) {
+  KeyedStates keyed;
+  std::map<std::string, int> seen;
+  for (const auto& callback : callbacks) {
+    std::string key = callback->state_key();
+    const int count = ++seen[key];
+    if (count > 1) key += "#" + std::to_string(count);
+    keyed.emplace_back(std::move(key), callback.get());
+  }
+  return keyed;
+}
+
+}  // namespace detail
 
 }  // namespace trainloop

@@ -6,7 +6,7 @@
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/format.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/schedules/hyperparameters.hpp>
+#include <trainloop/optim/hyperparameters.hpp>
 
 #include <filesystem>
 #include <iomanip>

@@ -15,7 +15,7 @@
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/schedules/hyperparameters.hpp>
+#include <trainloop/optim/hyperparameters.hpp>
 
 #include <torch/arg.h>
 #include <torch/torch.h>

@@ -53,6 +53,12 @@ class MixUp : public Callback {
     TRAINLOOP_CHECK(options_.num_classes() >= 0, "MixUp num_classes is ", options_.num_classes(), "; expected 0 or more");
   }
 
+  /// @brief fastai's `MixUp(0.1)`: Beta(α, α) with α = `alpha`, other options at their defaults.
+  explicit MixUp(double alpha) : MixUp(MixUpOptions(alpha)) {}
+
+  /// @brief MixUp works on (input, target) batches: fit() refuses other batch types up front.
+  bool needs_example_batches() const override { return true; }
+
   void on_train_batch(TrainState& state, torch::Tensor& input, torch::Tensor& target) override {
     const int64_t n = input.size(0);
     if (n < 2) return;

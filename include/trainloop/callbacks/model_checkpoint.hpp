@@ -21,6 +21,7 @@
 #include <trainloop/callbacks/model_checkpoint_options.hpp>
 #include <trainloop/callbacks/monitor.hpp>
 #include <trainloop/checkpoint/checkpoint_names.hpp>
+#include <trainloop/checkpoint/checkpoint_source.hpp>
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 
@@ -64,7 +65,7 @@ namespace trainloop {
 /// directory). When fit() begins, the files an interrupted write had made surplus are removed,
 /// `last.ckpt` is pointed at the newest tracked checkpoint, and temporaries of writers that were
 /// killed are removed (detail/atomic_file.hpp).
-class ModelCheckpoint : public Callback {
+class ModelCheckpoint : public Callback, public CheckpointSource {
  public:
   /// @brief A checkpoint callback with `options` (checked here).
   explicit ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) { options_.validate(); }
@@ -72,11 +73,11 @@ class ModelCheckpoint : public Callback {
   /// @brief The directory written to.
   const std::filesystem::path& directory() const { return options_.directory(); }
   /// @brief `directory()/last.ckpt`.
-  std::filesystem::path last_path() const { return directory() / kLastCheckpointName; }
+  std::filesystem::path last_path() const override { return directory() / kLastCheckpointName; }
 
   /// @brief Checkpoints in the directory, newest first (see checkpoint_candidates()): what
   /// resuming from "last" tries, in order, when one is unreadable.
-  std::vector<std::filesystem::path> candidates() const { return checkpoint_candidates(directory()); }
+  std::vector<std::filesystem::path> candidates() const override { return checkpoint_candidates(directory()); }
 
   /// @brief The best checkpoints kept so far, best first: (monitored value, file). Kept by the
   /// main process (the one that writes); other ranks may hold fewer after a restore.
@@ -134,6 +135,9 @@ class ModelCheckpoint : public Callback {
     if (periodic || best) save(state, periodic, best);
   }
 
+  /// @brief Optional: a ModelCheckpoint in a new directory (fine-tuning from a checkpoint written
+  /// elsewhere) starts with no files tracked.
+  bool state_optional() const override { return true; }
   void save_state(torch::serialize::OutputArchive& archive) const override {
     // Inside save(): the lists as they are once the file being written is added.
     const Files& files = planned_ ? *planned_ : files_;

@@ -21,7 +21,7 @@
 /// of fit(); a reader (tests/test_tensorboard.cpp, or TensorBoard) sees complete records only.
 
 #include <trainloop/callbacks/callback.hpp>
-#include <trainloop/schedules/hyperparameters.hpp>
+#include <trainloop/optim/hyperparameters.hpp>
 #include <trainloop/error.hpp>
 
 #include <unistd.h>

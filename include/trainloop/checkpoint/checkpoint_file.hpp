@@ -15,11 +15,11 @@
 /// Written atomically (detail/atomic_file.hpp): a kill at any moment leaves the previous file.
 /// Read by CheckpointFile (checkpoint/checkpoint_reader.hpp).
 
-#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/history_io.hpp>
-#include <trainloop/detail/optimizer_state.hpp>
-#include <trainloop/detail/training_progress.hpp>
+#include <trainloop/optim/optimizer_state.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/version.hpp>
 
@@ -42,22 +42,6 @@ inline constexpr int64_t kCheckpointFormatVersion = 1;
 namespace detail {
 
 inline constexpr const char* kCheckpointKey = "__trainloop__";
-
-/// A callback with the key its state is stored under.
-using KeyedCallbacks = std::vector<std::pair<std::string, Callback*>>;
-
-/// Keys for `callbacks`: state_key(), with "#2", "#3"... for repeats, in order.
-inline KeyedCallbacks keyed_callbacks(const CallbackList& callbacks) {
-  KeyedCallbacks keyed;
-  std::map<std::string, int> seen;
-  for (const auto& callback : callbacks) {
-    std::string key = callback->state_key();
-    const int count = ++seen[key];
-    if (count > 1) key += "#" + std::to_string(count);
-    keyed.emplace_back(std::move(key), callback.get());
-  }
-  return keyed;
-}
 
 /// What a checkpoint holds besides the model and optimizer.
 struct CheckpointHeader {
@@ -107,7 +91,7 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
 ///         written (disk full, read-only); no partial file is left and an earlier one is unchanged.
 inline void write_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
                              const torch::optim::Optimizer& optimizer, const TrainingProgress& progress,
-                             const KeyedCallbacks& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
+                             const KeyedStates& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
                              const CheckpointHeader& header) {
   torch::serialize::OutputArchive archive;
   model.save(archive);

@@ -4,11 +4,11 @@
 /// and its format checked at once; the model's and the optimizer's parts are checked against a
 /// loop before anything is copied (checkpoint/restore.hpp applies them all or nothing).
 
-#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
 #include <trainloop/detail/history_io.hpp>
-#include <trainloop/detail/optimizer_state.hpp>
-#include <trainloop/detail/training_progress.hpp>
+#include <trainloop/optim/optimizer_state.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/version.hpp>
 
@@ -199,17 +199,29 @@ class CheckpointFile {
     return p;
   }
 
-  /// Restores each callback whose key the checkpoint has (others keep their state). Not all or
-  /// nothing by itself: restore_checkpoint() (checkpoint/restore.hpp) rolls back on a failure.
-  void load_callbacks(const KeyedCallbacks& callbacks) {
+  /// Restores each component's state from the checkpoint. A component with state whose key the
+  /// checkpoint lacks is an error naming the key and the keys present, unless its state is
+  /// optional (it then keeps its state). Not all or nothing by itself: restore_checkpoint()
+  /// (checkpoint/restore.hpp) rolls back on a failure.
+  void load_states(const KeyedStates& components) {
     torch::serialize::InputArchive all;
-    if (!ours_.try_read("callbacks", all)) return;
-    for (const auto& [key, callback] : callbacks) {
+    const bool any = ours_.try_read("callbacks", all);
+    for (const auto& [key, component] : components) {
       torch::serialize::InputArchive one;
-      if (all.try_read(key, one)) callback->load_state(one);
+      if (any && all.try_read(key, one)) {
+        component->load_state(one);
+        continue;
+      }
+      if (component->state_optional() || !detail::has_state(*component)) continue;
+      std::vector<std::string> present = any ? all.keys() : std::vector<std::string>{};
+      std::string listed;
+      for (const auto& name : present) listed += (listed.empty() ? "" : ", ") + name;
+      throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " holds no state for callback \"", key,
+                                   "\"; it holds the states of: ", listed.empty() ? "none" : listed,
+                                   ". Expected a checkpoint written with that callback, or a callback whose "
+                                   "state_optional() is true"));
     }
   }
-
   /// Rank `rank`'s random number generator state, if the checkpoint has one for it.
   std::optional<torch::Tensor> rng_state(int64_t rank) {
     torch::serialize::InputArchive rng;

@@ -11,12 +11,12 @@
 /// their previous state kept in memory and put back on a failure. The model is copied last,
 /// when nothing can fail any more, so it needs no second copy of its weights.
 
-#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
-#include <trainloop/detail/optimizer_state.hpp>
-#include <trainloop/detail/training_progress.hpp>
+#include <trainloop/optim/optimizer_state.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
 
 #include <torch/torch.h>
 
@@ -34,7 +34,7 @@ namespace trainloop::detail {
 /// put back by restore() unless commit() was called first.
 class StateUndo {
  public:
-  StateUndo(torch::optim::Optimizer& optimizer, const KeyedCallbacks& callbacks)
+  StateUndo(torch::optim::Optimizer& optimizer, const KeyedStates& callbacks)
       : optimizer_(optimizer), rng_(capture_rng_state()) {
     torch::serialize::OutputArchive archive;
     save_optimizer_state(optimizer, archive);
@@ -83,7 +83,7 @@ class StateUndo {
 
   torch::optim::Optimizer& optimizer_;
   std::ostringstream optimizer_bytes_;
-  std::vector<std::pair<Callback*, std::string>> callbacks_;
+  std::vector<std::pair<Stateful*, std::string>> callbacks_;
   torch::Tensor rng_;
   bool committed_ = false;
 };
@@ -93,7 +93,7 @@ class StateUndo {
 /// nothing (see the file comment).
 /// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
 inline TrainingProgress restore_checkpoint(CheckpointFile& file, torch::nn::Module& module,
-                                           torch::optim::Optimizer& optimizer, const KeyedCallbacks& callbacks,
+                                           torch::optim::Optimizer& optimizer, const KeyedStates& callbacks,
                                            std::optional<int64_t> rng_rank) {
   // 1. Read and check, changing nothing.
   const auto model_copies = file.checked_model_tensors(module);
@@ -116,7 +116,7 @@ inline TrainingProgress restore_checkpoint(CheckpointFile& file, torch::nn::Modu
   StateUndo undo(optimizer, callbacks);
   file.load_optimizer(optimizer);
   try {
-    file.load_callbacks(callbacks);
+    file.load_states(callbacks);
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& error) {

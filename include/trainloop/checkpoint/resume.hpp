@@ -3,8 +3,8 @@
 /// @brief What `fit(..., resume)` resumes from: "last" (the ModelCheckpoint's newest, falling back
 /// to older ones when it is unreadable), a checkpoint directory, or one file.
 
-#include <trainloop/callbacks/callback.hpp>
-#include <trainloop/callbacks/model_checkpoint.hpp>
+#include <trainloop/checkpoint/checkpoint_names.hpp>
+#include <trainloop/checkpoint/checkpoint_source.hpp>
 #include <trainloop/error.hpp>
 
 #include <cstdlib>
@@ -36,14 +36,11 @@ inline int restart_count() {
 /// then "last" if a ModelCheckpoint is given, and nothing when it has no checkpoint yet);
 /// "last" the ModelCheckpoint's checkpoints, newest first (none yet: start fresh); a directory
 /// its checkpoints, newest first; anything else that one file.
-/// @throws trainloop::ConfigurationError for "last" without a ModelCheckpoint among `callbacks`.
-inline ResumeSpec resolve_resume(const std::string& resume, const CallbackList& callbacks) {
+/// `checkpoints` is the CheckpointSource among fit()'s callbacks (a ModelCheckpoint), or null.
+/// @throws trainloop::ConfigurationError for "last" without a CheckpointSource.
+inline ResumeSpec resolve_resume(const std::string& resume, const CheckpointSource* checkpoints) {
   ResumeSpec spec;
   spec.description = resume;
-  const ModelCheckpoint* checkpoints = nullptr;
-  for (const auto& callback : callbacks) {
-    if (auto* found = dynamic_cast<const ModelCheckpoint*>(callback.get())) checkpoints = found;
-  }
   std::string wanted = resume;
   if (wanted.empty() && restart_count() > 0 && checkpoints != nullptr) wanted = "last";
   if (wanted.empty()) return spec;
@@ -65,6 +62,16 @@ inline ResumeSpec resolve_resume(const std::string& resume, const CallbackList& 
   }
   spec.candidates = {wanted};
   return spec;
+}
+
+/// The same, finding the CheckpointSource among `components` (the last one given wins).
+template <class Components>
+ResumeSpec resolve_resume(const std::string& resume, const Components& components) {
+  const CheckpointSource* checkpoints = nullptr;
+  for (const auto& component : components) {
+    if (auto* found = dynamic_cast<const CheckpointSource*>(component.get())) checkpoints = found;
+  }
+  return resolve_resume(resume, checkpoints);
 }
 
 }  // namespace trainloop::detail

@@ -17,7 +17,7 @@
 ///   setting, e.g. OPENBLAS_NUM_THREADS), or TrainLoopOptions::num_threads.
 
 #include <trainloop/detail/blas_threads.hpp>
-#include <trainloop/distributed/rank_env.hpp>
+#include <trainloop/detail/environment.hpp>
 #include <trainloop/error.hpp>
 
 #include <ATen/Parallel.h>
@@ -71,10 +71,10 @@ inline int usable_cpu_count() {
 /// nested form "4,2" the outer level (4) is returned.
 /// @throws trainloop::ConfigurationError when the value is not a positive integer.
 inline std::optional<int> omp_num_threads_from_env() {
-  auto text = dist::detail::env_string("OMP_NUM_THREADS");
+  auto text = ::trainloop::detail::env_string("OMP_NUM_THREADS");
   if (!text) return std::nullopt;
   std::string first = text->substr(0, text->find(','));
-  return static_cast<int>(dist::detail::parse_integer(first, "OMP_NUM_THREADS", 1, 1 << 16));
+  return static_cast<int>(::trainloop::detail::parse_integer(first, "OMP_NUM_THREADS", 1, 1 << 16));
 }
 
 /// The intra-op thread count asked for in code (TrainLoopOptions::num_threads); 0 when none.
@@ -109,7 +109,7 @@ inline std::optional<std::string> omp_num_threads_for_children(int ranks_on_node
 /// nullopt when the user chose threads (OMP_NUM_THREADS or OPENBLAS_NUM_THREADS set): then the
 /// children inherit the user's environment unchanged.
 inline std::optional<std::string> blas_threads_for_children() {
-  if (omp_num_threads_from_env() || dist::detail::env_string("OPENBLAS_NUM_THREADS")) return std::nullopt;
+  if (omp_num_threads_from_env() || ::trainloop::detail::env_string("OPENBLAS_NUM_THREADS")) return std::nullopt;
   return "1";
 }
 

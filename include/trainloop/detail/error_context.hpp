@@ -52,12 +52,20 @@ inline std::string full_error_text(const std::exception& error) {
   return text;
 }
 
-/// The readable C++ type name of `error` ("c10::OutOfMemoryError", "std::runtime_error").
-inline std::string error_type_name(const std::exception& error) {
-  const char* mangled = typeid(error).name();
+/// The readable form of a mangled C++ type name.
+inline std::string demangled(const char* mangled) {
   int status = 0;
   std::unique_ptr<char, void (*)(void*)> readable(abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
   return status == 0 && readable ? std::string(readable.get()) : std::string(mangled);
+}
+
+/// The readable C++ type name of `error` ("c10::OutOfMemoryError", "std::runtime_error").
+inline std::string error_type_name(const std::exception& error) { return demangled(typeid(error).name()); }
+
+/// The readable name of type `T` ("torch::data::Example<at::Tensor, at::Tensor>").
+template <class T>
+std::string readable_type_name() {
+  return demangled(typeid(T).name());
 }
 
 /// Rethrows the exception being handled: a `c10::Error` with `context` added to its message

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// The backend `o` asks for, Auto resolved by the device.
 /// @throws trainloop::ConfigurationError for NCCL without a CUDA device or without NCCL in libtorch.
@@ -118,4 +118,4 @@ inline c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> make_backend(
   return backend == Backend::Nccl ? detail::make_nccl(o, store) : detail::make_gloo(o, store);
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -20,7 +20,7 @@
 #include <unistd.h>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Several ranks seen failed in one poll: a rank whose error only reports a lost peer (a
 /// collective that failed because another rank died, or death by SIGPIPE) comes after the others; among the rest,
@@ -120,4 +120,4 @@ inline RankFailedError rank_failure_error(const std::string& run_dir, const Laun
   return RankFailedError(message.str(), std::move(details));
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

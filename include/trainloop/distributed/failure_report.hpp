@@ -23,7 +23,7 @@
 #include <string>
 #include <string_view>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Path of the file where rank `rank` leaves its error text for the launcher.
 inline std::filesystem::path rank_error_path(const std::filesystem::path& run_dir, int rank) {
@@ -92,4 +92,4 @@ inline std::string format_rank_error(const std::string& type, bool consequence, 
   return "type: " + type + "\nconsequence: " + (consequence ? "1" : "0") + "\n" + message + "\n";
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -13,7 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 namespace detail {
 
@@ -108,4 +108,4 @@ inline void check_port_available(const std::string& host, int port) {
                   "; expected the master address to be an address of this machine");
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

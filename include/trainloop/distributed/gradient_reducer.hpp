@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief trainloop::dist::GradientReducer: DDP's gradient averaging, overlapped with backward.
+/// @brief trainloop::distributed::GradientReducer: DDP's gradient averaging, overlapped with backward.
 ///
 /// What torch's c10d::Reducer does, written on the public autograd API (the Reducer's header does
 /// not compile against Debian's libtorch, and its constructor changed three times in 2.x):
@@ -41,7 +41,7 @@
 #include <utility>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Bucket sizes and overlap mode of a GradientReducer.
 struct GradientReducerOptions {
@@ -393,4 +393,4 @@ class GradientReducer {
   std::vector<std::uintptr_t> hook_keys_;
 };
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

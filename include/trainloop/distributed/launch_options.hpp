@@ -13,7 +13,7 @@
 #include <sys/types.h>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Extra environment for the children: name → value, overriding inherited values.
 using EnvVars = std::map<std::string, std::string>;
@@ -86,4 +86,4 @@ inline std::string RankProcess::describe() const {
   return "exit code " + std::to_string(exit_code);
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -60,7 +60,7 @@
 
 extern char** environ;
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Starts `nprocs` local ranks, watches them, stops them all when one fails.
 /// The run directory is created by the constructor (so the caller can put files there before
@@ -339,4 +339,4 @@ inline const std::vector<RankProcess>& Launcher::launch() {
   }
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 namespace detail {
 
@@ -163,4 +163,4 @@ inline void broadcast_module_state(torch::nn::Module& module, ProcessGroup& grou
   group.broadcast(tensors, root);
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-namespace trainloop::dist::detail {
+namespace trainloop::distributed::detail {
 
 /// "SIGKILL" for 9, and so on; "signal N" for the rare ones.
 inline std::string signal_name(int signal) {
@@ -130,4 +130,4 @@ class ReapOwnChildrenGuard {
   bool changed_ = false;
 };
 
-}  // namespace trainloop::dist::detail
+}  // namespace trainloop::distributed::detail

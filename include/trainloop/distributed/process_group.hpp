@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief trainloop::dist::ProcessGroup: rendezvous through a TCPStore, a Gloo or NCCL backend,
+/// @brief trainloop::distributed::ProcessGroup: rendezvous through a TCPStore, a Gloo or NCCL backend,
 /// and the handful of collectives the loop needs (sum, max, broadcast, gather, barrier).
 ///
 /// We hold the backend object (ProcessGroupGloo / ProcessGroupNCCL) directly and call its
@@ -33,7 +33,7 @@
 #include <utility>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Handle of an asynchronous collective; `ProcessGroup::wait(handle)` blocks until it is done.
 using WorkHandle = ::trainloop::detail::WorkHandle;
@@ -260,4 +260,4 @@ class ProcessGroup {
   c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> backend_;
 };
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

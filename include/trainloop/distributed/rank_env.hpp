@@ -24,6 +24,7 @@
 /// Every value is checked: a non-numeric number, a rank outside [0, world), a port outside
 /// [1, 65535] throws trainloop::Error naming the variable and its value.
 
+#include <trainloop/detail/environment.hpp>
 #include <trainloop/error.hpp>
 
 #include <charconv>
@@ -33,7 +34,7 @@
 #include <string_view>
 #include <vector>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Which launcher (if any) made this process a rank.
 enum class RankEnvSource { None, Trainloop, Torchrun, Slurm, OpenMPI };
@@ -81,25 +82,8 @@ struct RankEnv {
 
 namespace detail {
 
-/// The variable's value, or nullopt when unset. Empty strings count as unset, as shells
-/// often export `VAR=` to clear a variable.
-inline std::optional<std::string> env_string(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  return std::string(value);
-}
-
-/// Parses a whole string as a decimal integer in [min, max]; throws naming `what` otherwise.
-inline long parse_integer(std::string_view text, const std::string& what, long min, long max) {
-  long value = 0;
-  const char* end = text.data() + text.size();
-  auto [stop, error] = std::from_chars(text.data(), end, value);
-  TRAINLOOP_CHECK(error == std::errc() && stop == end && !text.empty(), what, "='", text,
-                  "' is not an integer; expected a decimal number");
-  TRAINLOOP_CHECK(value >= min && value <= max, what, "=", value, " is out of range; expected ",
-                  min, " <= ", what, " <= ", max);
-  return value;
-}
+using ::trainloop::detail::env_string;
+using ::trainloop::detail::parse_integer;
 
 /// The variable as an integer in [min, max], or nullopt when unset.
 inline std::optional<int> env_int(const char* name, int min = 0, int max = 1 << 30) {
@@ -319,4 +303,4 @@ inline std::optional<RankEnv> detect_rank_env() {
   return std::nullopt;
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

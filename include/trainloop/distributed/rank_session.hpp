@@ -7,6 +7,7 @@
 /// Slurm or Open MPI), so `rank0_first` works before any TrainLoop exists, and the DDP engine
 /// reuses the same group instead of opening a second store on the same port.
 
+#include <trainloop/distributed/main_process.hpp>
 #include <trainloop/distributed/process_group.hpp>
 #include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/error.hpp>
@@ -17,14 +18,8 @@
 #include <utility>
 
 namespace trainloop {
-namespace dist {
+namespace distributed {
 namespace detail {
-
-/// The process-wide rank environment, read once.
-inline const std::optional<RankEnv>& cached_rank_env() {
-  static const std::optional<RankEnv> env = detect_rank_env();
-  return env;
-}
 
 struct SessionGroup {
   std::mutex mutex;
@@ -65,21 +60,11 @@ inline ProcessGroup& session_process_group(ProcessGroupOptions options = {}) {
   return session.group;
 }
 
-}  // namespace dist
-
-/// @brief True in exactly one process of a job: the process the user started (when trainloop
-/// spawns the ranks itself), or rank 0 (under torchrun, Slurm or Open MPI). Use it to guard
-/// your own printing and file writing outside callbacks.
-inline bool is_main_process() {
-  const auto& env = dist::detail::cached_rank_env();
-  if (!env) return true;
-  if (env->source == dist::RankEnvSource::Trainloop) return false;  // the launching process prints
-  return env->rank == 0;
-}
+}  // namespace distributed
 
 /// @brief Waits for every rank of the job; does nothing outside a distributed job.
 inline void barrier() {
-  if (dist::detail::cached_rank_env()) dist::session_process_group().barrier();
+  if (distributed::detail::cached_rank_env()) distributed::session_process_group().barrier();
 }
 
 /// @brief Runs `f` on rank 0 first, then on the other ranks (after rank 0 finished), like
@@ -88,7 +73,7 @@ inline void barrier() {
 /// @return what `f` returns.
 template <class F>
 decltype(auto) rank0_first(F&& f) {
-  const auto& env = dist::detail::cached_rank_env();
+  const auto& env = distributed::detail::cached_rank_env();
   if (!env) return std::forward<F>(f)();
   if (env->rank == 0) {
     struct BarrierAfter {

@@ -22,7 +22,7 @@
 #include <string>
 #include <thread>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Which communication library carries the collectives.
 enum class Backend {
@@ -192,4 +192,4 @@ inline c10::intrusive_ptr<::c10d::Store> connect_store(const ProcessGroupOptions
   }
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

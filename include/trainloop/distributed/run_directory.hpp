@@ -22,7 +22,7 @@
 #include <system_error>
 #include <unistd.h>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// Name of the file in a run directory that says which process owns it.
 inline constexpr const char* kRunDirOwnerFile = "owner";
@@ -77,4 +77,4 @@ inline int remove_stale_run_directories(const std::filesystem::path& parent = te
   return removed;
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

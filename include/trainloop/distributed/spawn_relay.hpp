@@ -17,7 +17,7 @@
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/error_context.hpp>
-#include <trainloop/detail/fit_actions.hpp>
+#include <trainloop/engine/fit_actions.hpp>
 #include <trainloop/detail/history_io.hpp>
 #include <trainloop/distributed/launcher.hpp>
 #include <trainloop/distributed/rank_env.hpp>
@@ -43,7 +43,7 @@
 #include <unistd.h>
 #include <utility>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 namespace env_names {
 inline constexpr const char* fit_index = "TRAINLOOP_FIT_INDEX";      ///< the DDP fit() call a spawned rank trains
@@ -190,7 +190,7 @@ inline std::string caught_type(const std::exception& error) {
     const RankEnv env = [] {
       RankEnv parsed;
       parsed.source = RankEnvSource::Trainloop;
-      parsed.run_dir = ::trainloop::dist::detail::env_string(env_names::run_dir).value_or("");
+      parsed.run_dir = ::trainloop::distributed::detail::env_string(env_names::run_dir).value_or("");
       if (const char* rank = std::getenv(env_names::rank)) parsed.rank = std::atoi(rank);
       return parsed;
     }();
@@ -286,8 +286,8 @@ inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions
 template <class Barrier>
 History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloop::detail::FitActions& actions,
                              const ::trainloop::detail::ResumeSpec& resume, Barrier&& barrier) {
-  const int wanted = ::trainloop::dist::detail::env_int(env_names::fit_index, 1).value_or(1);
-  const std::filesystem::path session = ::trainloop::dist::detail::env_string(env_names::session_dir).value_or("");
+  const int wanted = ::trainloop::distributed::detail::env_int(env_names::fit_index, 1).value_or(1);
+  const std::filesystem::path session = ::trainloop::distributed::detail::env_string(env_names::session_dir).value_or("");
   if (fit_index < wanted) {
     if (std::filesystem::exists(detail::fit_failure_path(session, fit_index))) {
       detail::replay_fit_failure(detail::fit_failure_path(session, fit_index));
@@ -314,4 +314,4 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloo
   ::_exit(status);  // the rest of the program runs in the launching process only
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief What a rank started by dist::Launcher does on its side: die with the launcher, say how
+/// @brief What a rank started by distributed::Launcher does on its side: die with the launcher, say how
 /// it failed (or that it finished) through the files of failure_report.hpp.
 ///
 /// Dying with the launcher needs no call: every program that includes this header (trainloop.hpp
@@ -10,8 +10,8 @@
 ///
 /// A rank program written by hand (tests/launcher_child.cpp does this):
 /// @code
-///   if (auto env = trainloop::dist::detect_rank_env(); env && env->source == RankEnvSource::Trainloop) {
-///     std::exit(trainloop::dist::run_reporting_failure(*env, [&] { train(*env); }));
+///   if (auto env = trainloop::distributed::detect_rank_env(); env && env->source == RankEnvSource::Trainloop) {
+///     std::exit(trainloop::distributed::run_reporting_failure(*env, [&] { train(*env); }));
 ///   }
 /// @endcode
 
@@ -35,7 +35,7 @@
 #include <unistd.h>
 #include <utility>
 
-namespace trainloop::dist {
+namespace trainloop::distributed {
 
 /// In a rank spawned by our Launcher: ask the kernel to SIGKILL this process when its parent
 /// dies, then make sure the launcher has not died already (the race between posix_spawn and
@@ -139,4 +139,4 @@ int run_reporting_failure(const RankEnv& env, Body&& body, Describe&& describe =
   return 1;
 }
 
-}  // namespace trainloop::dist
+}  // namespace trainloop::distributed

@@ -3,15 +3,15 @@
 /// @brief gpu_mode::DataParallel: one process, one persistent replica of the model per device
 /// (CUDA devices, or CPU replicas), each batch split across them.
 
-#include <trainloop/detail/batch_split.hpp>
+#include <trainloop/replicas/batch_split.hpp>
 #include <trainloop/detail/blas_threads.hpp>
 #include <trainloop/detail/error_context.hpp>
-#include <trainloop/detail/replica_forward_order.hpp>
-#include <trainloop/detail/replica_set.hpp>
-#include <trainloop/detail/worker_pool.hpp>
+#include <trainloop/replicas/replica_forward_order.hpp>
+#include <trainloop/replicas/replica_set.hpp>
+#include <trainloop/replicas/worker_pool.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/model_contract.hpp>
 
@@ -28,6 +28,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace trainloop {
@@ -109,6 +110,14 @@ struct DataParallel {
   /// The engine the loop runs for a model whose module type is `Module`.
   template <class Module>
   using engine = detail::DataParallelEngine<Module>;
+  /// Whether DataParallel can build replicas of `Module` (gpu_mode::AnyOf asks before it builds the engine).
+  template <class Module>
+  static constexpr bool builds_engine_for = detail::replicable_module_v<Module>;
+  /// What DataParallel cannot train, in its words (the error when it is chosen for such a model).
+  static constexpr std::string_view cannot_train =
+      "gpu mode dp cannot train this model: DataParallel needs a module that derives from torch::nn::Cloneable or is "
+      "default-constructible, and batches of torch::data::Example<> or with a split(parts) member; expected one of "
+      "those, or mode single/ddp";
 
   /// @brief Every visible CUDA device, or 2 CPU replicas when CUDA is not available.
   DataParallel() = default;
@@ -173,6 +182,8 @@ inline int data_parallel_threads_per_replica(const gpu_mode::DataParallel& mode,
 template <class Module>
 class DataParallelEngine {
  public:
+  /// What this engine cannot train (see engine_supports_v below).
+  static constexpr std::string_view cannot_train = gpu_mode::DataParallel::cannot_train;
   DataParallelEngine(const gpu_mode::DataParallel& mode, std::shared_ptr<Module> module)
       : mode_(mode), module_(std::move(module)) {
     mode_.validate();

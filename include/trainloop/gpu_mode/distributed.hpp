@@ -5,7 +5,7 @@
 ///
 /// How a run goes:
 /// - In a plain process, fit() becomes the launcher: it saves the model and optimizer, re-executes
-///   this program once per local rank (dist::Launcher), waits, and loads the trained state back,
+///   this program once per local rank (distributed::Launcher), waits, and loads the trained state back,
 ///   so the caller's model is trained when fit() returns. If a rank fails, the others are killed
 ///   and fit() throws naming the rank and its error.
 /// - In a rank (spawned by us, or started by torchrun, Slurm `srun` or Open MPI `mpirun`), fit()
@@ -22,7 +22,7 @@
 #include <trainloop/distributed/spawn_relay.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
@@ -67,7 +67,7 @@ struct DistributedDataParallel {
   /// Port of rank 0's TCPStore; 0 picks a free port (single node only).
   TORCH_ARG(int, master_port) = 0;
   /// Collective backend: Auto picks NCCL for CUDA devices and Gloo for the CPU.
-  TORCH_ARG(dist::Backend, backend) = dist::Backend::Auto;
+  TORCH_ARG(distributed::Backend, backend) = distributed::Backend::Auto;
   /// Device kind of the ranks: CPU, or CUDA (rank r uses gpus[local r], or cuda:local_rank).
   /// Unset: CUDA when available, else CPU.
   TORCH_ARG(std::optional<torch::DeviceType>, device_type) = std::nullopt;
@@ -135,7 +135,7 @@ template <class Module>
 class DistributedEngine {
  public:
   DistributedEngine(const gpu_mode::DistributedDataParallel& mode, std::shared_ptr<Module> module)
-      : mode_(mode), module_(std::move(module)), env_(dist::detail::cached_rank_env()) {
+      : mode_(mode), module_(std::move(module)), env_(distributed::detail::cached_rank_env()) {
     mode_.validate();
     if (env_) {
       device_ = rank_device();
@@ -173,12 +173,12 @@ class DistributedEngine {
     if (!env_ || group_) return;
     cpu::apply_intra_op_threads(cpu::intra_op_threads_for(env_->local_world_size));
     module_->to(device_);
-    dist::ProcessGroupOptions options;
+    distributed::ProcessGroupOptions options;
     options.backend = mode_.backend();
     options.device = device_;
     options.timeout = mode_.timeout();
-    group_ = &dist::session_process_group(options);
-    dist::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
+    group_ = &distributed::session_process_group(options);
+    distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
   }
 
   /// Makes every rank hold rank 0's state and attaches the gradient hooks for this fit only. (A
@@ -186,12 +186,12 @@ class DistributedEngine {
   void begin_fit(torch::optim::Optimizer&) {
     TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
     prepare();
-    dist::broadcast_module_state(*module_, *group_);
+    distributed::broadcast_module_state(*module_, *group_);
     // One rank: the local gradient is the average; reducing it copied and "all-reduced" every
     // gradient for nothing (measured on an H100, 1-rank NCCL, MLP 4096x4: 5.05 ms per step vs
     // 4.53 ms without DDP).
     if (group_->world_size() == 1) return;
-    dist::GradientReducerOptions reducer_options;
+    distributed::GradientReducerOptions reducer_options;
     reducer_options.first_bucket_cap_bytes = mode_.first_bucket_cap_bytes();
     reducer_options.bucket_cap_bytes = mode_.bucket_cap_bytes();
     reducer_options.overlap = mode_.overlap();
@@ -234,15 +234,15 @@ class DistributedEngine {
   /// join as a rank (torchrun, Slurm, Open MPI), or, in a rank we spawned, pass or train the
   /// matching fit() call.
   History run_fit(const FitActions& actions, const ResumeSpec& resume) {
-    const int fit_index = dist::detail::next_fit_index();
+    const int fit_index = distributed::detail::next_fit_index();
     if (!env_) {
-      dist::SpawnFitOptions spawn;
+      distributed::SpawnFitOptions spawn;
       spawn.fit_index = fit_index;
       spawn.max_restarts = mode_.max_restarts();
-      return dist::launch_spawned_fit(actions, launch_options(), spawn);
+      return distributed::launch_spawned_fit(actions, launch_options(), spawn);
     }
-    if (env_->source != dist::RankEnvSource::Trainloop) return actions.train(resume);
-    return dist::run_spawned_rank_fit(*env_, fit_index, actions, resume, [this] { barrier(); });
+    if (env_->source != distributed::RankEnvSource::Trainloop) return actions.train(resume);
+    return distributed::run_spawned_rank_fit(*env_, fit_index, actions, resume, [this] { barrier(); });
   }
 
  private:
@@ -255,8 +255,8 @@ class DistributedEngine {
     return device;
   }
 
-  dist::LaunchOptions launch_options() const {
-    dist::LaunchOptions options(mode_.resolved_procs_per_node());
+  distributed::LaunchOptions launch_options() const {
+    distributed::LaunchOptions options(mode_.resolved_procs_per_node());
     options.nnodes(mode_.nnodes())
         .node_rank(mode_.node_rank())
         .master_addr(mode_.master_addr())
@@ -267,10 +267,10 @@ class DistributedEngine {
 
   gpu_mode::DistributedDataParallel mode_;
   std::shared_ptr<Module> module_;
-  const std::optional<dist::RankEnv>& env_;
+  const std::optional<distributed::RankEnv>& env_;
   torch::Device device_ = torch::Device(torch::kCPU);
-  dist::ProcessGroup* group_ = nullptr;
-  std::optional<dist::GradientReducer> reducer_;
+  distributed::ProcessGroup* group_ = nullptr;
+  std::optional<distributed::GradientReducer> reducer_;
   std::vector<torch::Tensor> buffers_;  // listed once per fit, broadcast after every step
 };
 

@@ -3,7 +3,7 @@
 /// @brief gpu_mode::Single: train on one device (CPU or one CUDA device) in this process.
 
 #include <trainloop/error.hpp>
-#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/cpu/threads.hpp>
 

@@ -25,6 +25,10 @@ struct FlatCosOptions {
 /// @brief Flat, then cosine annealing, per optimizer step.
 class FlatCos : public StepSchedule {
  public:
+  /// @brief fastai's spelling, `FlatCos(1e-3)`: other options at their defaults.
+  /// @param lr the flat learning rate
+  explicit FlatCos(double lr) : FlatCos(FlatCosOptions(lr)) {}
+  /// @brief The schedule with `options`.
   /// @throws trainloop::ConfigurationError naming an option out of range.
   explicit FlatCos(FlatCosOptions options = FlatCosOptions()) : options_(options) {
     TRAINLOOP_CHECK(options_.pct_start() >= 0.0 && options_.pct_start() < 1.0, "flat-cos pct_start is ",

@@ -55,6 +55,10 @@ struct OneCycleOptions {
 /// @brief One-cycle learning rate and momentum, per optimizer step (see the file comment).
 class OneCycle : public StepSchedule {
  public:
+  /// @brief fastai's spelling, `OneCycle(1e-3)`: other options at their defaults.
+  /// @param lr the peak learning rate
+  explicit OneCycle(double lr) : OneCycle(OneCycleOptions(lr)) {}
+  /// @brief The schedule with `options`.
   /// @throws trainloop::ConfigurationError naming an option out of range.
   explicit OneCycle(OneCycleOptions options = OneCycleOptions()) : options_(options) {
     TRAINLOOP_CHECK(options_.pct_start() > 0.0 && options_.pct_start() < 1.0, "one-cycle pct_start is ",

@@ -5,9 +5,9 @@
 
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
-#include <trainloop/detail/metric_accumulator.hpp>
-#include <trainloop/detail/shard_indices.hpp>
-#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/metrics/metric_accumulator.hpp>
+#include <trainloop/loop/shard_indices.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>

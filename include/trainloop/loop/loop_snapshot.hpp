@@ -5,8 +5,8 @@
 /// such as lr_find(). Per process, so it needs no shared file system under DDP.
 
 #include <trainloop/checkpoint/rng_state.hpp>
-#include <trainloop/detail/optimizer_state.hpp>
-#include <trainloop/detail/training_progress.hpp>
+#include <trainloop/optim/optimizer_state.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
 
 #include <trainloop/detail/module_tensors.hpp>
 

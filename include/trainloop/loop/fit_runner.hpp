@@ -1,7 +1,9 @@
 #pragma once
 /// @file
-/// @brief The epoch loop shared by every gpu_mode: it sees the mode only through the engine
-/// interface (gpu_mode/mode_interface.hpp), so one loop serves one device, replicas and ranks.
+/// @brief fit() for every gpu_mode: orchestration of a fit() call (resume, callbacks, epochs,
+/// validation, the agreed stop) and the loop's checkpoints. It sees the mode only through the
+/// engine interface (engine/mode_engine.hpp), so one loop serves one device, replicas and ranks;
+/// an epoch is loop/epoch_trainer.hpp, a step loop/optimizer_step.hpp.
 /// It continues from the loop's progress (a second fit() goes on with epoch 3, mid-epoch if the
 /// last one stopped there), resumes checkpoints exactly, and writes them.
 
@@ -9,23 +11,27 @@
 #include <trainloop/checkpoint/checkpoint_file.hpp>
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/restore.hpp>
+#include <trainloop/checkpoint/loop_checkpoint.hpp>
 #include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
 #include <trainloop/detail/error_context.hpp>
-#include <trainloop/detail/evaluation.hpp>
-#include <trainloop/detail/metric_accumulator.hpp>
-#include <trainloop/detail/shard_indices.hpp>
-#include <trainloop/detail/training_progress.hpp>
-#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/detail/stopwatch.hpp>
+#include <trainloop/distributed/gather_rows.hpp>
+#include <trainloop/loop/epoch_trainer.hpp>
+#include <trainloop/loop/evaluation.hpp>
+#include <trainloop/metrics/metric_accumulator.hpp>
+#include <trainloop/loop/shard_indices.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/autocast.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
-#include <trainloop/schedules/hyperparameters.hpp>
+#include <trainloop/optim/hyperparameters.hpp>
 
 #include <torch/torch.h>
 
@@ -42,16 +48,6 @@
 #include <vector>
 
 namespace trainloop::detail {
-
-/// Seconds since a start point.
-class Stopwatch {
- public:
-  Stopwatch() : start_(std::chrono::steady_clock::now()) {}
-  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
-
- private:
-  std::chrono::steady_clock::time_point start_;
-};
 
 /// What a run is: the mode's name and the version stamped into checkpoints.
 struct RunIdentity {
@@ -84,7 +80,12 @@ class FitRunner {
     options_.validate();
     TRAINLOOP_CHECK(train_.has_value(), "fit() needs a training dataset");
     TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
-    for (const auto& cb : callbacks) TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
+    for (const auto& cb : callbacks) {
+      TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
+      TRAINLOOP_CHECK(is_example_batch_v<Batch> || !cb->needs_example_batches(), "callback ", cb->state_key(),
+                      " changes batches in on_train_batch, which runs for torch::data::Example<> batches; this loop's "
+                      "batches are ", readable_type_name<Batch>(), ". Expected Example batches for this callback");
+    }
     TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
                     "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
     engine.begin_fit(optimizer_);
@@ -103,7 +104,7 @@ class FitRunner {
         if (!on_device.is_same(values)) values.copy_(on_device);
       });
     }
-    const KeyedCallbacks keyed = keyed_callbacks(callbacks);
+    const KeyedStates keyed = keyed_callbacks(callbacks);
     const bool resumed = resume_checkpoint(engine, resume, keyed);
     scaler_.reset();
     if (options_.precision() == Precision::fp16) {
@@ -170,6 +171,7 @@ class FitRunner {
       save_checkpoint(engine, keyed, path, engine.is_main());
     };
 
+    EpochTrainer<Module, Batch> epochs(module_, train_, optimizer_, criterion_, options_, progress_, scaler_, epoch_sums_);
     Stopwatch fit_clock;
     std::exception_ptr error;
     try {
@@ -180,7 +182,7 @@ class FitRunner {
         state.stop_requested = false;
         for (auto& cb : active) cb->on_epoch_begin(state);
         const bool epoch_done = with_error_context(
-            [&] { return train_epoch(engine, shard, state, active, fit_clock, end_step, visible); },
+            [&] { return epochs.run(engine, shard, state, active, fit_clock, end_step, visible); },
             [&] {
               return concat("trainloop: while training epoch ", state.epoch, ", after batch ", state.batch, " of ",
                             state.batches_per_epoch, " (rank ", engine.rank(), ")");
@@ -234,39 +236,27 @@ class FitRunner {
   /// Writes a checkpoint of the loop as it stands (see TrainState::save_checkpoint). A
   /// collective: every rank calls it; rank 0 writes.
   template <ModeEngine Engine>
-  void save_checkpoint(Engine& engine, const KeyedCallbacks& callbacks, const std::filesystem::path& path,
+  void save_checkpoint(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path,
                        bool writes) {
     // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
-    const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
+    const std::vector<torch::Tensor> rng = distributed::gather_rows(engine, capture_rng_state());
     TrainingProgress snapshot = progress_;
     if (epoch_sums_ != nullptr && progress_.mid_epoch()) {
-      snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums_->packed_totals().to(torch::kCPU)));
+      snapshot.partial_totals = torch::stack(distributed::gather_rows(engine, epoch_sums_->packed_totals().to(torch::kCPU)));
     }
-    std::exception_ptr failure;
-    if (writes) {
-      try {
-        CheckpointHeader header;
-        header.trainloop_version = identity_.trainloop_version;
-        header.mode = identity_.mode;
-        header.world_size = engine.world_size();
-        header.batch_size = options_.batch_size();
-        write_checkpoint(path, module_, optimizer_, snapshot, callbacks, rng, header);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-    }
-    // Every rank learns whether it worked, so none trains on believing work is saved.
-    if (engine.any_rank(failure != nullptr)) {
-      if (failure) std::rethrow_exception(failure);  // as itself: a CheckpointError naming the path and the reason
-      throw CheckpointError(concat("trainloop: another rank could not write the checkpoint ", path.string(),
-                                   " (its error names the cause); training stops so no work is lost unsaved"));
-    }
+    CheckpointHeader header;
+    header.trainloop_version = identity_.trainloop_version;
+    header.mode = identity_.mode;
+    header.world_size = engine.world_size();
+    header.batch_size = options_.batch_size();
+    write_checkpoint_agreed(path, writes, [&engine](bool flag) { return engine.any_rank(flag); },
+                            [&] { write_checkpoint(path, module_, optimizer_, snapshot, callbacks, rng, header); });
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
   /// stream when `restore_rng`). Every rank reads the file itself.
   template <ModeEngine Engine>
-  void load_checkpoint(Engine& engine, const std::filesystem::path& path, const KeyedCallbacks& callbacks,
+  void load_checkpoint(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks,
                        bool restore_rng) {
     std::optional<torch::Device> device;
     if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
@@ -287,33 +277,10 @@ class FitRunner {
   /// Loads the first readable checkpoint of `resume`; false when there was none to load.
   /// @throws trainloop::CheckpointError when none is readable (or the one asked for is not).
   template <ModeEngine Engine>
-  bool resume_checkpoint(Engine& engine, const ResumeSpec& resume, const KeyedCallbacks& keyed) {
-    if (resume.candidates.empty()) {
-      if (resume.required && !resume.description.empty()) {
-        throw CheckpointError(concat("trainloop: no checkpoint to resume from at ", resume.description));
-      }
-      if (!resume.description.empty() && engine.is_main()) {
-        std::cerr << "trainloop: no checkpoint at " << resume.description << " yet; training from the start\n";
-      }
-      return false;
-    }
-    for (size_t i = 0; i < resume.candidates.size(); ++i) {
-      try {
-        load_checkpoint(engine, resume.candidates[i], keyed, /*restore_rng=*/true);
-        if (engine.is_main() && resume.announce) {
-          std::cerr << "trainloop: resumed from " << resume.candidates[i].string() << '\n';
-        }
-        return true;
-      } catch (const CheckpointError& error) {
-        const bool last_candidate = i + 1 == resume.candidates.size();
-        if (!resume.fall_back || last_candidate) throw;
-        if (engine.is_main()) {
-          std::cerr << error.what() << "\ntrainloop: falling back to the previous checkpoint, "
-                    << resume.candidates[i + 1].string() << '\n';
-        }
-      }
-    }
-    return false;
+  bool resume_checkpoint(Engine& engine, const ResumeSpec& resume, const KeyedStates& keyed) {
+    return resume_first_readable(resume, engine.is_main(), [&](const std::filesystem::path& path) {
+      load_checkpoint(engine, path, keyed, /*restore_rng=*/true);
+    });
   }
 
   /// Whether the fit() call the progress records ran to its end: it said so, or it reached
@@ -335,191 +302,6 @@ class FitRunner {
     TRAINLOOP_CHECK(batches > 0, "an epoch would have no batch: ", shard_size, " training samples per process with batch size ",
                     batch, " and drop_last; expected at least ", batch, " samples per process");
     return batches;
-  }
-
-  /// One row per rank of `local` (same dtype on every rank, any length): lengths gathered first,
-  /// rows padded to the longest, gathered, cut back. A collective.
-  template <ModeEngine Engine>
-  std::vector<torch::Tensor> gather_rows(Engine& engine, const torch::Tensor& local) {
-    if (engine.world_size() == 1) return {local.to(torch::kCPU)};
-    auto length = torch::full({1}, local.numel(), torch::kInt64);
-    const torch::Tensor lengths = engine.all_gather(length).to(torch::kCPU).reshape({-1});
-    const int64_t longest = lengths.max().item<int64_t>();
-    torch::Tensor padded = torch::zeros({longest}, local.options().device(torch::kCPU));
-    padded.narrow(0, 0, local.numel()).copy_(local.reshape({-1}).to(torch::kCPU));
-    const torch::Tensor all = engine.all_gather(padded).to(torch::kCPU);
-    std::vector<torch::Tensor> rows;
-    for (int64_t r = 0; r < all.size(0); ++r) rows.push_back(all[r].narrow(0, 0, lengths[r].item<int64_t>()).clone());
-    return rows;
-  }
-
-  /// Trains (the rest of) one epoch. Returns true when the epoch is complete (its record appended
-  /// to the History), false when it stopped inside (step limit, agreed stop): the progress then
-  /// holds the position, and the partial record and sums.
-  template <ModeEngine Engine>
-  bool train_epoch(Engine& engine, const DataShard& shard, TrainState& state, CallbackList& active,
-                   const Stopwatch& fit_clock, int64_t end_step, History& visible) {
-    Stopwatch epoch_clock;
-    const double seconds_before = progress_.seconds_into_epoch;
-    module_.train();
-    MetricAccumulator sums(options_.metrics(), engine.device());
-    if (progress_.partial_totals.defined()) {
-      const int64_t rows = progress_.partial_totals.size(0);
-      if (rows == engine.world_size()) {
-        sums.restore(progress_.partial_totals[engine.rank()]);
-      } else if (engine.rank() == 0) {
-        sums.restore(progress_.partial_totals[0]);
-      }
-    }
-    epoch_sums_ = &sums;
-    struct ForgetSums {
-      MetricAccumulator*& sums;
-      ~ForgetSums() { sums = nullptr; }
-    } forget_sums{epoch_sums_};
-    state.running_loss = [&sums] { return sums.running_loss(); };
-    // The last micro-batch's loss: its shards' losses weighted by their samples (DataParallel sinks
-    // one output per replica), summed lazily so nothing synchronises unless someone asks.
-    torch::Tensor last_loss;
-    int64_t last_samples = 0;
-    bool new_micro_batch = true;
-    state.last_loss = [&] { return last_loss.defined() && last_samples > 0 ? last_loss.item<double>() / last_samples : 0.0; };
-
-    train_.set_epoch(static_cast<uint64_t>(state.epoch));  // augmentations drawn for this epoch
-    const uint64_t start_position = progress_.samples_into_epoch;
-    auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed, start_position);
-    const int64_t remaining_samples = static_cast<int64_t>(indices.size());
-    const int64_t local_before = sums.local_samples();
-    data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(train_), std::move(indices),
-                                                      static_cast<size_t>(options_.batch_size()),
-                                                      static_cast<size_t>(options_.num_workers()), options_.drop_last());
-    const int64_t accumulation = options_.grad_accumulation_steps();
-    const int64_t batches_done = progress_.batches_into_epoch;
-    const int64_t batch = options_.batch_size();
-    const int64_t remaining_batches =
-        options_.drop_last() ? remaining_samples / batch : (remaining_samples + batch - 1) / batch;
-    const int64_t batches = batches_done + remaining_batches;
-    state.batches_per_epoch = batches;
-    state.batch = batches_done;
-    state.epoch_samples = sums.local_samples() * state.world_size;
-    bool first_batch = batches_done == 0;
-    auto sink = [&](const StepOutput& out) {
-      sums.add_loss(out.loss, out.samples);
-      if (out.output.defined() && out.target.defined()) sums.add_outputs(out.output, out.target);
-      state.epoch_samples += out.samples * state.world_size;
-      const auto weighted = out.loss.detach().to(torch::kFloat64) * static_cast<double>(out.samples);
-      if (new_micro_batch || !last_loss.defined()) {
-        last_loss = weighted;
-        last_samples = out.samples;
-        new_micro_batch = false;
-      } else {
-        last_loss = last_loss + weighted.to(last_loss.device());
-        last_samples += out.samples;
-      }
-    };
-
-    bool complete = true;
-    int64_t window_start = batches_done;
-    // The hyper-parameters of the epoch's last step, for its record (the optimizer's now, if none ran).
-    double step_lr = learning_rate_of(optimizer_);
-    std::optional<double> step_momentum = momentum_of(optimizer_);
-    for (auto&& loaded_batch : loader) {
-      const int64_t index = state.batch;
-      Batch micro_batch = std::move(loaded_batch);
-      if constexpr (is_example_batch_v<Batch>) {
-        for (auto& cb : active) cb->on_train_batch(state, micro_batch.data, micro_batch.target);
-      }
-      const int64_t window = std::min(accumulation, batches - window_start);
-      const bool last_in_window = index + 1 == window_start + window;
-      auto forward = [this, first_batch, device = engine.device()](Module& replica, const Batch& b) {
-        AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
-        return forward_batch(replica, b, criterion_, first_batch);
-      };
-      const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
-      new_micro_batch = true;
-      engine.train_micro_batch(micro_batch, forward, loss_scale / static_cast<double>(window), last_in_window, sink);
-      first_batch = false;
-      state.batch = index + 1;
-      state.epoch_seconds = seconds_before + epoch_clock.seconds();
-      state.fit_seconds = fit_clock.seconds();
-      for (auto& cb : active) cb->on_batch_end(state);
-      if (!last_in_window) continue;
-
-      engine.before_optimizer_step();
-      // fp16: unscale before clipping; a step with inf/NaN gradients is skipped on every rank.
-      const bool overflow = scaler_ && engine.any_rank(scaler_->unscale(module_.parameters()));
-      if (options_.clip_grad_norm() > 0.0 && !overflow) {
-        torch::nn::utils::clip_grad_norm_(module_.parameters(), options_.clip_grad_norm());
-      }
-      for (auto& cb : active) cb->on_before_optimizer_step(state);
-      step_lr = learning_rate_of(optimizer_);
-      step_momentum = momentum_of(optimizer_);
-      if (!overflow) optimizer_.step();
-      if (scaler_) {
-        scaler_->update(overflow);
-        progress_.grad_scaler_state = scaler_->state();
-        state.skipped_steps = scaler_->skipped_steps();
-      }
-      engine.after_optimizer_step();
-      optimizer_.zero_grad();
-      ++state.step;
-      state.global_step = ++progress_.global_step;
-      ++progress_.steps_into_epoch;
-      if (options_.record_steps()) {
-        progress_.history.steps.push_back(
-            StepRecord{progress_.global_step, state.epoch, step_lr, step_momentum, state.last_loss()});
-      }
-      window_start = state.batch;
-      // Where the epoch stands, for a checkpoint written from on_step_end.
-      progress_.batches_into_epoch = state.batch;
-      progress_.samples_into_epoch =
-          start_position + static_cast<uint64_t>((sums.local_samples() - local_before) * state.world_size);
-      progress_.seconds_into_epoch = seconds_before + epoch_clock.seconds();
-      for (auto& cb : active) cb->on_step_end(state);
-      // Every rank agrees whether to stop after this step (one small collective per step).
-      if (engine.any_rank(state.stop_requested)) {
-        progress_.history.stop_reason = state.stop_reason.empty() ? "a callback on another rank asked to stop" : state.stop_reason;
-        complete = state.batch >= batches;
-        break;
-      }
-      if (progress_.global_step >= end_step) {
-        complete = state.batch >= batches;
-        break;
-      }
-    }
-
-    auto totals = sums.packed_totals();
-    auto reduced = totals.clone();
-    engine.all_reduce_sum(reduced);
-    auto values = sums.compute(reduced);
-    EpochRecord record;
-    record.epoch = state.epoch;
-    record.steps = progress_.steps_into_epoch;
-    record.samples = values.samples;
-    record.train_loss = values.loss;
-    record.train_metrics = values.metrics;
-    record.seconds = seconds_before + epoch_clock.seconds();
-    record.samples_per_second = record.seconds > 0 ? static_cast<double>(record.samples) / record.seconds : 0.0;
-    record.learning_rate = step_lr;
-    record.momentum = step_momentum;
-    state.running_loss = nullptr;
-    state.last_loss = nullptr;
-    if (complete) {
-      progress_.history.epochs.push_back(record);
-      progress_.epochs_completed = state.epoch;
-      progress_.samples_into_epoch = 0;
-      progress_.batches_into_epoch = 0;
-      progress_.steps_into_epoch = 0;
-      progress_.seconds_into_epoch = 0.0;
-      progress_.partial_totals = torch::Tensor();
-      progress_.partial_record.reset();
-    } else {
-      // A later fit() (or a resumed checkpoint) continues this epoch with these sums.
-      progress_.partial_totals = torch::stack(gather_rows(engine, totals.to(torch::kCPU)));
-      progress_.partial_record = record;
-    }
-    progress_.history.total_steps = progress_.global_step;
-    visible = progress_.visible_history();
-    return complete;
   }
 
   Module& module_;

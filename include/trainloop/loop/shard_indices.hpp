@@ -4,7 +4,7 @@
 /// epoch's seed, resumed from a position inside the epoch.
 
 #include <trainloop/data/shard_sampler.hpp>
-#include <trainloop/gpu_mode/mode_interface.hpp>
+#include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/options.hpp>
 
 #include <cstdint>

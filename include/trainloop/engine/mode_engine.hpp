@@ -41,6 +41,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <string>
 
 namespace trainloop {
 
@@ -50,7 +51,7 @@ struct DataShard {
   int64_t world_size = 1;  ///< number of shards
 };
 
-/// @brief What every gpu_mode engine provides to the loop (see the table in mode_interface.hpp).
+/// @brief What every gpu_mode engine provides to the loop (see the table above).
 template <class Engine>
 concept ModeEngine = requires(Engine& engine, const Engine& const_engine, torch::Tensor& tensor, bool flag,
                               torch::optim::Optimizer& optimizer) {
@@ -76,6 +77,26 @@ namespace detail {
 /// gpu_mode::Any so a run-time choice compiles for every model, and names the mode that cannot.
 template <class Engine, class Batch>
 inline constexpr bool engine_supports_v = true;
+
+template <class Module, class... Modes>
+class AnyEngine;  // gpu_mode/parse.hpp
+
+/// Whether `Engine` is the run-time choice of modes (TrainLoop visits it instead of calling it).
+template <class Engine>
+inline constexpr bool is_any_engine_v = false;
+template <class Module, class... Modes>
+inline constexpr bool is_any_engine_v<AnyEngine<Module, Modes...>> = true;
+
+/// What an engine that does not support a model or batch type says about it: its own
+/// `cannot_train` text (each mode states its limits in its own words).
+template <class Engine>
+std::string engine_cannot_train_text() {
+  if constexpr (requires { Engine::cannot_train; }) {
+    return std::string(Engine::cannot_train);
+  } else {
+    return "the chosen gpu mode cannot train this model or batch type";
+  }
+}
 }  // namespace detail
 
 }  // namespace trainloop

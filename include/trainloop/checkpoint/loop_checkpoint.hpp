@@ -1,0 +1,69 @@
+#pragma once
+/// @file
+/// @brief The loop's checkpoint policy, independent of any mode: a save every rank agrees
+/// succeeded or failed, and a resume that falls back to older checkpoints when asked to.
+
+#include <trainloop/checkpoint/resume.hpp>
+#include <trainloop/error.hpp>
+
+#include <cstddef>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+
+namespace trainloop::detail {
+
+/// Runs `write` where `writes` is true, then tells every rank whether it worked (`any_rank` is
+/// the mode's agreement collective), so none trains on believing its work is saved.
+/// @throws the writer's own exception (a CheckpointError naming the path and the reason) on the
+///         rank that failed; a CheckpointError saying another rank failed on the others.
+inline void write_checkpoint_agreed(const std::filesystem::path& path, bool writes,
+                                    const std::function<bool(bool)>& any_rank, const std::function<void()>& write) {
+  std::exception_ptr failure;
+  if (writes) {
+    try {
+      write();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  if (any_rank(failure != nullptr)) {
+    if (failure) std::rethrow_exception(failure);  // as itself: its type and text name the cause
+    throw CheckpointError(concat("trainloop: another rank could not write the checkpoint ", path.string(),
+                                 " (its error names the cause); training stops so no work is lost unsaved"));
+  }
+}
+
+/// Loads the first readable checkpoint of `resume` with `load`; false when there was none to
+/// load. An unreadable candidate is skipped with a warning when the spec allows falling back.
+/// @throws trainloop::CheckpointError when none is readable (or the one asked for is not).
+inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
+                                  const std::function<void(const std::filesystem::path&)>& load) {
+  if (resume.candidates.empty()) {
+    if (resume.required && !resume.description.empty()) {
+      throw CheckpointError(concat("trainloop: no checkpoint to resume from at ", resume.description));
+    }
+    if (!resume.description.empty() && is_main) {
+      std::cerr << "trainloop: no checkpoint at " << resume.description << " yet; training from the start\n";
+    }
+    return false;
+  }
+  for (size_t i = 0; i < resume.candidates.size(); ++i) {
+    try {
+      load(resume.candidates[i]);
+      if (is_main && resume.announce) std::cerr << "trainloop: resumed from " << resume.candidates[i].string() << '\n';
+      return true;
+    } catch (const CheckpointError& error) {
+      const bool last_candidate = i + 1 == resume.candidates.size();
+      if (!resume.fall_back || last_candidate) throw;
+      if (is_main) {
+        std::cerr << error.what() << "\ntrainloop: falling back to the previous checkpoint, "
+                  << resume.candidates[i + 1].string() << '\n';
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace trainloop::detail

@@ -1,0 +1,56 @@
+#pragma once
+/// @file
+/// @brief A mode from command-line style flags: `--gpu-mode single|dp|ddp`, `--device`,
+/// `--procs` (DDP processes on this machine), `--replicas` (DataParallel replicas on the CPU).
+///
+/// @code
+/// trainloop::ModeFlags flags;            // filled by your command-line parser (CLI11, ...)
+/// app.add_option("--gpu-mode", flags.gpu_mode);
+/// trainloop::TrainLoop<Net, trainloop::gpu_mode::Any> loop(..., trainloop::mode_from_flags(flags));
+/// @endcode
+
+#include <trainloop/gpu_mode/parse.hpp>
+
+#include <torch/torch.h>
+
+#include <string>
+#include <type_traits>
+#include <variant>
+
+namespace trainloop {
+
+/// @brief The flags that choose and set up a gpu mode.
+struct ModeFlags {
+  std::string gpu_mode = "single";  ///< "single", "dp" or "ddp"
+  std::string device = "cpu";       ///< "cpu", "cuda", "cuda:1", ...: the device (single), device type (ddp)
+  int procs = 2;                    ///< ddp: processes on this machine (when trainloop spawns them)
+  int replicas = 2;                 ///< dp on the CPU: replicas on worker threads
+};
+
+/// @brief The mode `flags` name, set up for their device.
+/// @throws trainloop::ConfigurationError for an unknown mode or device name (listing the valid modes).
+inline gpu_mode::Any mode_from_flags(const ModeFlags& flags) {
+  gpu_mode::Any mode = gpu_mode::parse(flags.gpu_mode);
+  torch::Device device(torch::kCPU);
+  try {
+    device = torch::Device(flags.device);
+  } catch (const std::exception&) {
+    std::throw_with_nested(ConfigurationError(
+        detail::concat("trainloop: device is '", flags.device, "'; expected cpu, cuda or cuda:N")));
+  }
+  std::visit(
+      [&](auto& policy) {
+        using Policy = std::decay_t<decltype(policy)>;
+        if constexpr (std::is_same_v<Policy, gpu_mode::Single>) {
+          policy.device(device);
+        } else if constexpr (std::is_same_v<Policy, gpu_mode::DataParallel>) {
+          if (device.is_cpu()) policy = gpu_mode::DataParallel::cpu_replicas(flags.replicas);
+        } else {
+          policy.device_type(device.type()).procs_per_node(flags.procs);
+        }
+      },
+      mode.get());
+  return mode;
+}
+
+}  // namespace trainloop

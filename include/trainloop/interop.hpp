@@ -1,0 +1,8 @@
+#pragma once
+/// @file
+/// @brief Weights to and from Python: read what `torch.save(model.state_dict(), path)` wrote,
+/// load it into a model by name, and write a state_dict that Python's `torch.load` reads.
+
+#include <trainloop/interop/load_state_dict.hpp>
+#include <trainloop/interop/python_state_dict.hpp>
+#include <trainloop/interop/state_dict.hpp>

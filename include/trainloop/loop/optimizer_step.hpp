@@ -1,0 +1,56 @@
+#pragma once
+/// @file
+/// @brief One optimizer step of the loop, in every mode: finish the gradient reduction, fp16's
+/// unscale and agreed skip, clipping, the callbacks' last look, the step, the scaler's update.
+
+#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/optim/hyperparameters.hpp>
+#include <trainloop/precision/grad_scaler.hpp>
+
+#include <torch/torch.h>
+
+#include <optional>
+
+namespace trainloop::detail {
+
+/// The learning rate and momentum a step used (for the History).
+struct StepHyperparameters {
+  double learning_rate = 0.0;
+  std::optional<double> momentum;
+};
+
+/// Clips the gradients of `module` to a total norm of `max_norm`. An engine whose gradients are
+/// sharded defines `clip_grad_norm(module, max_norm)` to clip by the norm over every rank;
+/// otherwise every rank holds the whole reduced gradient, so the local norm is the global one.
+template <class Engine, class Module>
+void clip_gradients(Engine& engine, Module& module, double max_norm) {
+  if constexpr (requires { engine.clip_grad_norm(module, max_norm); }) {
+    engine.clip_grad_norm(module, max_norm);
+  } else {
+    torch::nn::utils::clip_grad_norm_(module.parameters(), max_norm);
+  }
+}
+
+/// Runs one optimizer step after the last micro-batch of an accumulation window. With fp16 a
+/// step whose gradients overflowed is skipped on every rank (they agree), and the scaler adapts.
+template <class Engine, class Module>
+StepHyperparameters optimizer_step(Engine& engine, Module& module, torch::optim::Optimizer& optimizer,
+                                   std::optional<GradScaler>& scaler, double clip_grad_norm,
+                                   const CallbackList& active, TrainState& state) {
+  engine.before_optimizer_step();
+  // fp16: unscale before clipping; a step with inf/NaN gradients is skipped on every rank.
+  const bool overflow = scaler && engine.any_rank(scaler->unscale(module.parameters()));
+  if (clip_grad_norm > 0.0 && !overflow) clip_gradients(engine, module, clip_grad_norm);
+  for (auto& cb : active) cb->on_before_optimizer_step(state);
+  const StepHyperparameters used{learning_rate_of(optimizer), momentum_of(optimizer)};
+  if (!overflow) optimizer.step();
+  if (scaler) {
+    scaler->update(overflow);
+    state.skipped_steps = scaler->skipped_steps();
+  }
+  engine.after_optimizer_step();
+  optimizer.zero_grad();
+  return used;
+}
+
+}  // namespace trainloop::detail

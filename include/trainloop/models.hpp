@@ -1,0 +1,12 @@
+#pragma once
+/// @file
+/// @brief The model zoo: torchvision's ResNets and fastai's XResNets under their origin's
+/// state_dict names, and ImageClassifier to choose one by name at run time.
+
+#include <trainloop/models/batch_norm_layer.hpp>
+#include <trainloop/models/image_model_options.hpp>
+#include <trainloop/models/resnet.hpp>
+#include <trainloop/models/resnet_blocks.hpp>
+#include <trainloop/models/xresnet.hpp>
+#include <trainloop/models/xresnet_block.hpp>
+#include <trainloop/models/zoo.hpp>

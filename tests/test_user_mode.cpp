@@ -1,0 +1,210 @@
+#define BOOST_TEST_MODULE test_user_mode
+#include "unit_test.hpp"
+
+// A gpu_mode defined entirely in this file joins TrainLoop's run-time switch (gpu_mode::AnyOf)
+// with nothing under include/ edited for it; and the loop's traps a user meets are clear errors.
+
+#include <trainloop/trainloop.hpp>
+
+#include <sstream>
+
+namespace tl = trainloop;
+
+// ---- A user's mode: "split", every micro-batch run as `parts` sequential chunks on one device
+// (a memory saver: the activations of one chunk at a time). Each chunk's loss is weighted by
+// its share of the samples, so the gradients equal one pass over the whole micro-batch.
+template <class Module>
+class SplitEngine;
+
+struct SplitBatches {
+  static constexpr const char* name = "split";
+  template <class Module>
+  using engine = SplitEngine<Module>;
+  int64_t parts = 3;
+};
+
+template <class Module>
+class SplitEngine {
+ public:
+  SplitEngine(const SplitBatches& mode, std::shared_ptr<Module> module) : parts_(mode.parts), module_(std::move(module)) {}
+  bool is_main() const { return true; }
+  int64_t rank() const { return 0; }
+  int64_t world_size() const { return 1; }
+  torch::Device device() const { return torch::kCPU; }
+  tl::DataShard data_shard() const { return {}; }
+  void all_reduce_sum(torch::Tensor&) {}
+  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
+  bool any_rank(bool flag) { return flag; }
+  void barrier() {}
+  void prepare() {}
+  void begin_fit(torch::optim::Optimizer&) {}
+  void end_fit() noexcept {}
+  void before_optimizer_step() {}
+  void after_optimizer_step() {}
+
+  template <class Batch, class Forward, class Sink>
+  void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool, Sink&& sink) {
+    const int64_t n = batch.data.size(0);
+    for (const auto& chunk : chunks(batch)) {
+      tl::StepOutput out = forward(*module_, chunk);
+      (out.loss * (loss_scale * static_cast<double>(out.samples) / static_cast<double>(n))).backward();
+      sink(out);
+    }
+  }
+  template <class Batch, class Forward, class Sink>
+  void eval_batch(const Batch& batch, Forward&& forward, Sink&& sink) {
+    torch::NoGradGuard no_grad;
+    for (const auto& chunk : chunks(batch)) sink(forward(*module_, chunk));
+  }
+
+ private:
+  std::vector<torch::data::Example<>> chunks(const torch::data::Example<>& batch) const {
+    std::vector<torch::data::Example<>> parts;
+    const auto inputs = batch.data.chunk(parts_);
+    const auto targets = batch.target.chunk(parts_);
+    for (size_t i = 0; i < inputs.size(); ++i) parts.push_back({inputs[i], targets[i]});
+    return parts;
+  }
+  int64_t parts_;
+  std::shared_ptr<Module> module_;
+};
+
+using Modes = tl::gpu_mode::AnyOf<tl::gpu_mode::Single, tl::gpu_mode::DataParallel,
+                                  tl::gpu_mode::DistributedDataParallel, SplitBatches>;
+
+struct Blobs {
+  torch::Tensor x, y;
+  Blobs() {
+    auto generator = at::detail::createCPUGenerator(11);
+    x = torch::randn({96, 6}, generator);
+    y = (x.narrow(1, 0, 3).sum(1) > 0).to(torch::kLong) + (x.narrow(1, 3, 3).sum(1) > 0).to(torch::kLong);
+  }
+};
+
+torch::nn::Sequential make_net() {
+  torch::manual_seed(5);
+  return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+}
+
+torch::Tensor flat(const torch::nn::Module& net) {
+  std::vector<torch::Tensor> all;
+  for (const auto& p : net.parameters()) all.push_back(p.detach().reshape({-1}));
+  return torch::cat(all);
+}
+
+// Trains with the mode named `name`, chosen at run time; returns the parameters.
+torch::Tensor train_with(const std::string& name) {
+  Blobs data;
+  auto net = make_net();
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.2));
+  tl::TrainLoop<torch::nn::Sequential, Modes> loop(net, tl::data::TensorDataset(data.x, data.y), {}, optimizer,
+                                                   torch::nn::CrossEntropyLoss(),
+                                                   tl::TrainLoopOptions().batch_size(12).seed(3), Modes::parse(name));
+  const auto history = loop.fit(3);
+  BOOST_TEST(history.epochs.size() == 3u);
+  BOOST_TEST(history.last().samples == 96);
+  return flat(*net);
+}
+
+BOOST_AUTO_TEST_CASE(a_mode_defined_in_a_test_file_trains_through_the_run_time_switch) {
+  const torch::Tensor single = train_with("single");
+  const torch::Tensor split = train_with("split");
+  const double difference = (single - split).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("max |single - split| after 3 epochs: " << difference);
+  BOOST_TEST(difference < 1e-6);
+  BOOST_TEST((single - flat(*make_net())).abs().max().item<double>() > 1e-2);  // it trained
+  BOOST_TEST(Modes::names() == "single, dp, ddp, split");
+  BOOST_TEST(Modes(SplitBatches{}).name() == "split");
+  try {
+    Modes::parse("zero");
+    BOOST_FAIL("an unknown mode name was accepted");
+  } catch (const tl::ConfigurationError& error) {
+    BOOST_TEST(std::string(error.what()).find("unknown gpu mode 'zero'; expected one of: single, dp, ddp, split") !=
+               std::string::npos);
+  }
+}
+
+// ---- No silent traps.
+struct PairBatch {
+  torch::Tensor left, target;
+  int64_t batch_size() const { return target.size(0); }
+};
+class PairDataset : public torch::data::datasets::BatchDataset<PairDataset, PairBatch> {
+ public:
+  PairBatch get_batch(c10::ArrayRef<size_t> indices) override {
+    return {torch::ones({static_cast<int64_t>(indices.size()), 2}), torch::zeros({static_cast<int64_t>(indices.size()), 1})};
+  }
+  c10::optional<size_t> size() const override { return 8; }
+};
+struct PairModelImpl : torch::nn::Module {
+  torch::nn::Linear linear{register_module("linear", torch::nn::Linear(2, 1))};
+  torch::Tensor batch_loss(const PairBatch& batch, tl::Criterion& criterion) { return criterion(linear(batch.left), batch.target); }
+  tl::Predictions batch_predictions(const PairBatch& batch) { return {linear(batch.left), batch.target}; }
+};
+TORCH_MODULE(PairModel);
+
+BOOST_AUTO_TEST_CASE(mixup_with_a_batch_type_it_cannot_mix_is_refused_at_the_start_of_fit) {
+  PairModel model;
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<PairModel, tl::gpu_mode::Single, PairBatch> loop(model, PairDataset(), {}, optimizer,
+                                                                 torch::nn::MSELoss(), tl::TrainLoopOptions().batch_size(4));
+  try {
+    loop.fit(1, {tl::MixUp(0.1)});
+    BOOST_FAIL("MixUp with PairBatch batches was accepted");
+  } catch (const tl::ConfigurationError& error) {
+    const std::string text = error.what();
+    BOOST_TEST_MESSAGE(text);
+    BOOST_TEST(text.find("callback trainloop::MixUp changes batches in on_train_batch") != std::string::npos);
+    BOOST_TEST(text.find("PairBatch") != std::string::npos);
+  }
+  BOOST_TEST(loop.history().epochs.empty());  // nothing trained
+  loop.fit(1, {tl::ProgressBar()});            // callbacks by value; the same loop trains without MixUp
+  BOOST_TEST(loop.history().epochs.size() == 1u);
+}
+
+// A callback with state that a checkpoint never saw is an error; one declaring it optional is not.
+struct Counter : tl::Callback {
+  int64_t steps = 0;
+  void on_step_end(tl::TrainState&) override { ++steps; }
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    archive.write("steps", torch::tensor(steps));
+  }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    torch::Tensor value;
+    archive.read("steps", value);
+    steps = value.item<int64_t>();
+  }
+};
+struct OptionalCounter : Counter {
+  bool state_optional() const override { return true; }
+};
+
+BOOST_AUTO_TEST_CASE(a_callback_state_missing_from_a_checkpoint_is_an_error_unless_optional) {
+  const auto dir = std::filesystem::temp_directory_path() / ("trainloop_user_mode_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  Blobs data;
+  auto net = make_net();
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<torch::nn::Sequential> loop(net, tl::data::TensorDataset(data.x, data.y), {}, optimizer,
+                                            torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(32));
+  auto checkpoint = std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir));
+  loop.fit(1, {checkpoint, tl::EarlyStopping(tl::EarlyStoppingOptions("train_loss"))});
+  const auto file = checkpoint->candidates().front();
+
+  auto counter = std::make_shared<Counter>();
+  try {
+    loop.fit(1, {counter}, file.string());
+    BOOST_FAIL("a checkpoint without Counter's state was accepted");
+  } catch (const tl::CheckpointError& error) {
+    const std::string text = error.what();
+    BOOST_TEST_MESSAGE(text);
+    BOOST_TEST(text.find("holds no state for callback \"Counter\"") != std::string::npos);
+    BOOST_TEST(text.find("trainloop::EarlyStopping") != std::string::npos);  // the keys present
+  }
+  BOOST_TEST(loop.history().epochs.size() == 1u);  // all or nothing: the failed resume changed nothing
+  auto optional = std::make_shared<OptionalCounter>();
+  loop.fit(1, {optional, tl::ProgressBar()}, file.string());  // a stateless ProgressBar is fine too
+  BOOST_TEST(optional->steps == 3);                           // 96 samples, batch 32: one epoch
+  BOOST_TEST(loop.history().epochs.size() == 2u);
+  std::filesystem::remove_all(dir);
+}
