@@ -15,7 +15,6 @@
 #include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/data/any_dataset.hpp>
-#include <trainloop/data/batch_loader.hpp>
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/stopwatch.hpp>
 #include <trainloop/distributed/gather_rows.hpp>
@@ -29,14 +28,11 @@
 #include <trainloop/model_contract.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
-#include <trainloop/precision/autocast.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
-#include <trainloop/optim/hyperparameters.hpp>
 
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <exception>
 #include <filesystem>
