@@ -6,6 +6,7 @@
 // that need Python are skipped (TRAINLOOP_TEST_SKIPPED, ctest: Skipped) where no python3 imports
 // torch and torchvision; the C++-only cases (round trip, strict errors, bad files) always run.
 
+#include "python_reference.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
@@ -148,37 +149,6 @@ elif command == 'check_dtypes':  # argv[3]: C++'s file; its tensors' bytes, for 
     print('shared' if shared else 'not shared')
 )PY";
 
-/// A python3 that imports torch and torchvision, or "" when none does: $TRAINLOOP_PYTHON when
-/// set, else the first of python3 (which may be a pyenv or venv without torch) and
-/// /usr/bin/python3 (Debian's python3-torch and python3-torchvision) that does.
-const std::string& python() {
-  static const std::string found = [] {
-    std::vector<std::string> candidates{"python3", "/usr/bin/python3"};
-    if (const char* chosen = std::getenv("TRAINLOOP_PYTHON")) candidates = {chosen};
-    for (const auto& candidate : candidates) {
-      const std::string probe = "'" + candidate + "' -c 'import torch, torchvision' >/dev/null 2>&1";
-      if (std::system(probe.c_str()) == 0) return candidate;
-    }
-    return std::string();
-  }();
-  return found;
-}
-
-/// Precondition of the cases that need Python (see the top of the file).
-boost::test_tools::assertion_result python_present(boost::unit_test::test_unit_id) {
-  if (!python().empty()) return true;
-  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 imports torch and torchvision (set TRAINLOOP_PYTHON)" << std::endl;
-  boost::test_tools::assertion_result result(false);
-  result.message() << "no python3 with torch and torchvision";
-  return result;
-}
-
-/// What a Python command printed (stdout and stderr) and its exit status.
-struct PythonRun {
-  int exit_code = -1;
-  std::string output;
-};
-
 /// A temporary directory holding the script and everything Python writes, made once.
 TempDir& work() {
   static TempDir dir("tl-python-weights");
@@ -187,19 +157,7 @@ TempDir& work() {
 
 /// Runs `command` of the script with the work directory and `args`.
 PythonRun run_python(const std::string& command, const std::vector<std::string>& args = {}) {
-  const fs::path script = work().path / "weights.py";
-  if (!fs::exists(script)) std::ofstream(script) << kScript;
-  std::string line = "'" + python() + "' '" + script.string() + "' " + command + " '" + work().path.string() + "'";
-  for (const auto& arg : args) line += " '" + arg + "'";
-  line += " 2>&1";
-  PythonRun run;
-  FILE* pipe = ::popen(line.c_str(), "r");
-  BOOST_REQUIRE(pipe != nullptr);
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) run.output.append(buffer, n);
-  const int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+  return run_python_script(work().path, "weights.py", kScript, command, args);
 }
 
 /// The files Python's `generate` writes, made by the first case that needs them.

@@ -23,10 +23,18 @@ namespace trainloop::detail {
 template <class Module>
 inline constexpr bool cloneable_module_v = std::is_base_of_v<torch::nn::Cloneable<Module>, Module>;
 
-/// True when gpu_mode::DataParallel can build replicas of `Module`: cloned, or default-constructed
-/// and then given the original's parameters and buffers.
+/// True when `Module` copies itself for a device: `std::shared_ptr<Module> replicate(torch::Device) const`
+/// (a model that holds more than its registered tensors, such as interop::ScriptModule).
 template <class Module>
-inline constexpr bool replicable_module_v = cloneable_module_v<Module> || std::is_default_constructible_v<Module>;
+concept SelfReplicatingModule = requires(const Module& module, torch::Device device) {
+  { module.replicate(device) } -> std::convertible_to<std::shared_ptr<Module>>;
+};
+
+/// True when gpu_mode::DataParallel can build replicas of `Module`: by its own replicate(), cloned,
+/// or default-constructed and then given the original's parameters and buffers.
+template <class Module>
+inline constexpr bool replicable_module_v =
+    SelfReplicatingModule<Module> || cloneable_module_v<Module> || std::is_default_constructible_v<Module>;
 
 /// Restores torch's default CPU generator on scope exit: building a replica runs the module's
 /// initialisers, which must not shift the random numbers the caller's training draws next.
@@ -47,8 +55,9 @@ template <class Module>
 class ReplicaSet {
   static_assert(replicable_module_v<Module>,
                 "trainloop: gpu_mode::DataParallel needs to copy the model onto every device. Derive the module from "
-                "torch::nn::Cloneable<Impl> (and implement reset()), or make it default-constructible (its parameters "
-                "and buffers are then copied from the original by name).");
+                "torch::nn::Cloneable<Impl> (and implement reset()), make it default-constructible (its parameters "
+                "and buffers are then copied from the original by name), or give it "
+                "`std::shared_ptr<Impl> replicate(torch::Device) const`.");
 
  public:
   /// @brief Builds a replica of `primary` on every device after the first.
@@ -144,7 +153,11 @@ class ReplicaSet {
 
   std::shared_ptr<Module> make_replica(size_t r) {
     const auto& primary = *replicas_[0];
-    if constexpr (cloneable_module_v<Module>) {
+    if constexpr (SelfReplicatingModule<Module>) {
+      auto copy = primary.replicate(devices_[r]);
+      TRAINLOOP_CHECK(copy != nullptr, "the model's replicate() returned no module for DataParallel replica ", r);
+      return copy;
+    } else if constexpr (cloneable_module_v<Module>) {
       auto copy = std::dynamic_pointer_cast<Module>(primary.clone(devices_[r]));
       TRAINLOOP_CHECK(copy != nullptr, "cloning the model for DataParallel replica ", r, " on ", devices_[r].str(),
                       " returned a module of another type; expected ", typeid(Module).name());
