@@ -8,6 +8,7 @@
 //   fashion_mnist --epochs 4 --schedule one-cycle --max-lr 3e-3      # fastai's fit_one_cycle
 //   fashion_mnist --lr-find                                            # print a suggested lr and exit
 //   fashion_mnist --epochs 4 --precision bf16 --early-stop-patience 2
+//   fashion_mnist --epochs 4 --progress live | tee run.log             # the live bar, also into a pipe
 
 #include "example_mode.hpp"
 #include "fashion_net.hpp"
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <optional>
 
 int main(int argc, char** argv) {
   CLI::App app{"Train a CNN on Fashion-MNIST with trainloop"};
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
   std::string precision = "fp32";
   int64_t early_stop_patience = 0;
   bool lr_find = false;
+  std::string progress = "auto";
   app.add_option("--gpu-mode", gpu_mode, "single, dp or ddp");
   app.add_option("--epochs", epochs, "training epochs")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "samples per batch (per rank in ddp)");
@@ -68,6 +71,10 @@ int main(int argc, char** argv) {
   app.add_option("--early-stop-patience", early_stop_patience,
                  "stop when test accuracy has not improved for N epochs (0: never)")->check(CLI::NonNegativeNumber);
   app.add_flag("--lr-find", lr_find, "run the learning-rate finder, print the suggested learning rate and exit");
+  app.add_option("--progress", progress,
+                 "auto (a live bar on a terminal, one line per epoch elsewhere), live (the bar redrawn also into a "
+                 "file or pipe, at most every 0.2 s) or epochs (one line per epoch)")
+      ->check(CLI::IsMember({"auto", "live", "epochs"}));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -119,7 +126,9 @@ int main(int argc, char** argv) {
                                                                          .mode(trainloop::MonitorMode::Max)
                                                                          .patience(early_stop_patience)));
     }
-    callbacks.push_back(std::make_shared<trainloop::ProgressBar>());
+    const std::optional<bool> live =
+        progress == "auto" ? std::nullopt : std::optional<bool>(progress == "live");  // auto: is stdout a terminal?
+    callbacks.push_back(std::make_shared<trainloop::ProgressBar>(std::cout, live));
     if (!history_csv.empty()) callbacks.push_back(std::make_shared<trainloop::CsvLogger>(history_csv));
     if (!tensorboard_dir.empty()) callbacks.push_back(std::make_shared<trainloop::TensorBoardLogger>(tensorboard_dir));
     if (!plot_png.empty()) callbacks.push_back(std::make_shared<trainloop::TrainingPlot>(plot_png));

@@ -187,7 +187,8 @@ int main(int argc, char** argv) {
     if (scenario == "throw" || scenario == "sigkill" || scenario == "segv" || scenario == "exit0") {
       callbacks.push_back(std::make_shared<FailOnRank>(scenario));
       epochs = 3;
-      mode.timeout(std::chrono::seconds(60));  // failure must be caught by the launcher, not a timeout
+      // Failure must be caught by the launcher, not a timeout (test_distributed's kFailureTimeoutSeconds).
+      mode.timeout(std::chrono::seconds(60));
     }
     std::string resume;
     std::shared_ptr<StepCounter> counter;

@@ -2,6 +2,10 @@
 # The example's --checkpoint-dir / --resume, end to end: a run SIGKILLed during epoch 3 of 4 and
 # rerun with --resume prints the same final test accuracy and loss as an uninterrupted run.
 #
+# The kill waits for an event, not for a time: the run's live progress bar (--progress live)
+# comes through a FIFO, and the first redraw of epoch 3 (drawn after its first batch, so after
+# epoch 2's checkpoint) triggers it. A sleep "into epoch 3" missed epoch 3 on a fast machine.
+#
 #   tests/example_resume.sh <fashion_mnist executable> <scratch dir>
 set -euo pipefail
 example=$1
@@ -15,17 +19,25 @@ final_line() { grep -a "test accuracy" "$1" | tail -n 1 | sed 's/, [0-9.e+-]* s 
 "$example" "${args[@]}" --checkpoint-dir "$work/uninterrupted" > "$work/uninterrupted.log" 2>&1
 expected=$(final_line "$work/uninterrupted.log")
 
-"$example" "${args[@]}" --checkpoint-dir "$work/killed" > "$work/killed.log" 2>&1 &
+mkfifo "$work/killed.fifo"
+"$example" "${args[@]}" --progress live --checkpoint-dir "$work/killed" > "$work/killed.fifo" 2>&1 &
 pid=$!
-for _ in $(seq 1 600); do
-  ls "$work/killed"/epoch=0002-* > /dev/null 2>&1 && break
-  sleep 0.1
-done
-sleep 0.3  # into epoch 3
-kill -9 "$pid"
+# Each redraw of the bar begins with '\r': read the output one redraw at a time as it comes (the
+# log keeps it), and kill at the first one of epoch 3. At the end of the output (the run ended
+# without reaching epoch 3), read fails and the loop ends with the last piece.
+killed=false
+while IFS= read -r -d $'\r' piece || [[ -n $piece ]]; do
+  printf '%s\r' "$piece" >> "$work/killed.log"
+  if [[ $piece == "epoch 3/4 ["* ]]; then
+    kill -9 "$pid" || true
+    killed=true
+    break
+  fi
+done < "$work/killed.fifo"
 wait "$pid" 2> /dev/null || true
-if grep -aq "test accuracy" "$work/killed.log"; then
-  echo "FAIL: the run finished before it could be killed" >&2
+if ! $killed || grep -aq "test accuracy" "$work/killed.log"; then
+  echo "FAIL: the run ended before it could be killed in epoch 3; its output:" >&2
+  tr '\r' '\n' < "$work/killed.log" >&2
   exit 1
 fi
 echo "killed during epoch 3; checkpoints: $(ls "$work/killed" | tr '\n' ' ')"

@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <fcntl.h>
 #include <unistd.h>
 
 namespace distributed = trainloop::distributed;
@@ -28,6 +29,30 @@ using namespace std::chrono_literals;
 
 namespace {
 
+/// Waits until every rank of the job has started (each writes its pid file first): a rank that
+/// fails "while the others run" then does so for sure, whatever the machine's speed or load.
+void wait_for_every_rank(const fs::path& out, int world_size) {
+  for (int rank = 0; rank < world_size; ++rank) {
+    while (!fs::exists(out / ("pid" + std::to_string(rank)))) std::this_thread::sleep_for(1ms);
+  }
+}
+
+/// Where the SIGTERM handler leaves its mark: a path prepared before the signal can come, as a
+/// handler may only call async-signal-safe functions (open, close).
+char sigterm_mark[4096] = {};
+volatile std::sig_atomic_t got_sigterm = 0;
+extern "C" void note_sigterm(int) {
+  got_sigterm = 1;
+  const int fd = ::open(sigterm_mark, O_CREAT | O_WRONLY, 0644);
+  if (fd >= 0) ::close(fd);
+}
+void handle_sigterm(const fs::path& mark) {
+  std::snprintf(sigterm_mark, sizeof sigterm_mark, "%s", mark.c_str());
+  struct sigaction action {};
+  action.sa_handler = note_sigterm;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGTERM, &action, nullptr);
+}
 
 void run_scenario(const distributed::RankEnv& env) {
   const std::string scenario = env_or("TL_TEST_SCENARIO");
@@ -42,21 +67,35 @@ void run_scenario(const distributed::RankEnv& env) {
     return;
   }
   if (scenario == "fail_rank1" && env.rank == 1) {
-    std::this_thread::sleep_for(200ms);
+    wait_for_every_rank(out, env.world_size);
     throw std::runtime_error("rank 1 exploded on purpose");
   }
   if (scenario == "sigkill_rank2" && env.rank == 2) {
-    std::this_thread::sleep_for(200ms);
+    wait_for_every_rank(out, env.world_size);
     ::kill(::getpid(), SIGKILL);
   }
   if (scenario == "ignore_term") {
-    if (env.rank == 1) {
-      std::signal(SIGTERM, SIG_IGN);
+    if (env.rank == 1) {  // notes SIGTERM and carries on, as a rank stuck in a collective would
+      handle_sigterm(out / "got_sigterm1");
       write_file(out / "ignoring", "1");
     } else {  // fail only once rank 1 surely ignores SIGTERM
       while (!fs::exists(out / "ignoring")) std::this_thread::sleep_for(5ms);
       throw std::runtime_error("rank 0 fails while rank 1 ignores SIGTERM");
     }
+  }
+  if (scenario == "clean_up_on_term") {
+    if (env.rank == 1) {  // ends by itself after SIGTERM, after some cleaning up
+      handle_sigterm(out / "got_sigterm1");
+      write_file(out / "ready", "1");
+      while (got_sigterm == 0) std::this_thread::sleep_for(1ms);
+      // Cleaning up takes a while: a launcher that did not wait the grace period would SIGKILL
+      // the rank meanwhile. (The test's grace period is far longer: no check depends on this.)
+      std::this_thread::sleep_for(100ms);
+      write_file(out / "cleaned_up1", "1");
+      std::exit(0);
+    }
+    while (!fs::exists(out / "ready")) std::this_thread::sleep_for(1ms);
+    throw std::runtime_error("rank 0 fails while rank 1 can clean up");
   }
   if (scenario == "crash_and_peer_reports") {
     // Rank 1 crashes; rank 0 notices at once, as a collective would ("Connection reset by peer"),
@@ -78,7 +117,7 @@ void run_scenario(const distributed::RankEnv& env) {
     return;
   }
   if (scenario == "exit0_rank1" && env.rank == 1) {
-    std::this_thread::sleep_for(100ms);
+    wait_for_every_rank(out, env.world_size);
     std::exit(0);  // user code ending the program while the other ranks still train
   }
   std::this_thread::sleep_for(60s);  // stands for a rank blocked in a collective

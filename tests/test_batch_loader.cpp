@@ -176,8 +176,9 @@ BOOST_AUTO_TEST_CASE(a_dataset_exception_is_rethrown_at_its_batch) {
 }
 
 BOOST_AUTO_TEST_CASE(destroying_mid_pass_stops_the_workers, *boost::unit_test::timeout(30)) {
+  // The count of batches loaded shows the workers stopped (not how long destruction took): a
+  // destructor that let them finish the pass would load all 10000. The timeout bounds a hang only.
   auto dataset = std::make_shared<UnrulyDataset>(10000, SIZE_MAX, 5ms);
-  const auto start = std::chrono::steady_clock::now();
   {
     BatchLoader loader(dataset, iota_vector(10000), 1, 4);  // 10000 batches of ~2.5 ms
     BOOST_TEST(loader.next().has_value());
@@ -186,17 +187,15 @@ BOOST_AUTO_TEST_CASE(destroying_mid_pass_stops_the_workers, *boost::unit_test::t
   {
     BatchLoader untouched(dataset, iota_vector(10000), 1, 4);  // never consumed
   }
-  const auto elapsed = std::chrono::steady_clock::now() - start;
-  BOOST_TEST(elapsed < 2s, "destruction took "
-                               << std::chrono::duration<double>(elapsed).count() << " s");
   BOOST_TEST(dataset->loaded.load() < 100u, "workers stopped instead of loading the whole pass");
 }
 
 BOOST_AUTO_TEST_CASE(prefetching_is_bounded_by_prefetch_factor_times_workers) {
   auto dataset = std::make_shared<UnrulyDataset>(100, SIZE_MAX, 0ms);
-  // Waits until `count` batches were loaded (or 5 s), then a little longer to catch overshoot.
+  // Waits until `count` batches were loaded (the 60 s only bound a hang), then a little longer
+  // to catch overshoot: a pause that can only miss a bug on a slow machine, never fail a good loader.
   auto settle = [&](size_t count) {
-    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
     while (dataset->loaded.load() < count && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(1ms);
     }

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace tl = trainloop;
@@ -168,6 +169,74 @@ BOOST_AUTO_TEST_CASE(resize_crop_and_flip_do_what_torchvision_does) {
   auto center = tl::data::Transforms().resize(8).center_crop(6);
   std::mt19937_64 generator(0);
   BOOST_TEST((center.apply(picture(16, 32, 3, 0), generator).sizes() == torch::IntArrayRef{3, 6, 6}));
+}
+
+BOOST_AUTO_TEST_CASE(a_user_step_runs_in_order_and_draws_from_the_sample_stream) {
+  const Image image = picture(16, 32, 3, 0);
+  auto invert = [](Image in) {
+    for (auto& p : in.pixels) p = static_cast<uint8_t>(255 - p);
+    return in;
+  };
+  // An image step without a generator runs where it was added: after resize, before the crop.
+  std::vector<int64_t> seen_heights;
+  auto seen = &seen_heights;
+  auto inverted = tl::data::Transforms().resize(8).image_step([&invert, seen](Image in) {
+    seen->push_back(in.height);
+    return invert(std::move(in));
+  }).center_crop(6);
+  std::mt19937_64 generator(0), unused(0);
+  auto resized_then_inverted = tl::data::Transforms().resize(8).image_step(invert).center_crop(6);
+  BOOST_TEST(torch::equal(inverted.apply(image, generator), resized_then_inverted.apply(image, unused)));
+  BOOST_TEST(seen_heights == std::vector<int64_t>{8}, boost::test_tools::per_element());
+  // A tensor step runs on the final tensor, after normalize, whenever it was added.
+  auto doubled = tl::data::Transforms().tensor_step([](torch::Tensor x) { return x * 2; }).normalize({0.5}, {0.25});
+  auto plain = tl::data::Transforms().normalize({0.5}, {0.25});
+  BOOST_TEST(torch::equal(doubled.apply(image, generator), plain.apply(image, generator) * 2));
+
+  // Random user steps draw from the sample's generator, after the built-in steps' draws: those
+  // keep their augmentation, and the user's is reproducible per seed, epoch and sample.
+  auto builtin = tl::data::Transforms().random_resized_crop(16).random_horizontal_flip();
+  auto with_user_steps = tl::data::Transforms()
+                             .random_resized_crop(16)
+                             .random_horizontal_flip()
+                             .image_step([](Image in, std::mt19937_64& g) {
+                               const auto shift = static_cast<uint8_t>(g() % 40);
+                               for (auto& p : in.pixels) p = static_cast<uint8_t>(std::min(255, p + shift));
+                               return in;
+                             })
+                             .tensor_step([](torch::Tensor x, std::mt19937_64& g) {
+                               return x + 0.01 * torch::randn(x.sizes(), tl::data::torch_generator(g));
+                             });
+  for (uint64_t epoch : {0, 1}) {
+    auto g1 = tl::data::sample_generator(7, epoch, 2), g2 = g1, g3 = g1;
+    const auto base = builtin.apply(image, g1);
+    const auto augmented = with_user_steps.apply(image, g2);
+    BOOST_TEST(torch::equal(augmented, with_user_steps.apply(image, g3)));  // same stream, same pixels
+    BOOST_TEST(!torch::equal(augmented, base));
+    BOOST_TEST((augmented - base).abs().max().item<double>() < 40.0 / 255.0 + 0.1);  // shift + noise on the same crop
+  }
+
+  // Through ImageFolder, whichever thread decodes a sample, in any order: the same tensor.
+  TempDir dir;
+  make_folder(dir.path);
+  tl::data::ImageFolder folder(dir.path, with_user_steps, tl::data::ImageFolderOptions().seed(7));
+  std::vector<torch::Tensor> serial, threaded(folder.size().value());
+  for (size_t i = 0; i < threaded.size(); ++i) serial.push_back(folder.get(i).data);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < 3; ++t) {  // every third sample each, last first
+    threads.emplace_back([&, t] {
+      for (size_t i = threaded.size() - 1 - t; i < threaded.size(); i -= 3) threaded[i] = folder.get(i).data;
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (size_t i = 0; i < serial.size(); ++i) BOOST_TEST(torch::equal(serial[i], threaded[i]), "sample " << i);
+  folder.set_epoch(1);
+  BOOST_TEST(!torch::equal(folder.get(0).data, serial[0]));  // another epoch, another augmentation
+
+  // A user image step before a sized step sees the decoded image at full size.
+  BOOST_TEST(tl::data::Transforms().resize(28).image_step(invert).min_size() == 28);
+  BOOST_TEST(tl::data::Transforms().image_step(invert).resize(28).min_size() == 0);
+  BOOST_CHECK_THROW(tl::data::Transforms().image_step(std::function<Image(Image)>()), tl::ConfigurationError);
 }
 
 BOOST_AUTO_TEST_CASE(bad_folders_and_images_are_errors_that_name_the_path) {

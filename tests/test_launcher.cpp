@@ -43,8 +43,8 @@ std::string read_file(const fs::path& path) {
   return text.str();
 }
 
-/// Waits until `path` exists, up to `limit`.
-bool wait_for_file(const fs::path& path, std::chrono::milliseconds limit = 20s) {
+/// Waits until `path` exists, up to `limit` (which only bounds a hang: not a speed goal).
+bool wait_for_file(const fs::path& path, std::chrono::milliseconds limit = 60s) {
   auto deadline = std::chrono::steady_clock::now() + limit;
   while (!fs::exists(path)) {
     if (std::chrono::steady_clock::now() > deadline) return false;
@@ -112,9 +112,12 @@ bool process_gone(pid_t pid) { return ::kill(pid, 0) == -1 && errno == ESRCH; }
 /// A fresh directory for the files children write, removed afterwards.
 using OutDir = TempDir;
 
-/// Runs launch() and returns its error message ("" when it did not throw) and its duration.
-std::pair<std::string, double> launch_expecting_failure(distributed::Launcher& launcher) {
-  auto start = std::chrono::steady_clock::now();
+/// Runs launch() and returns its error message ("" when it did not throw).
+///
+/// The tests check how the ranks ended (stopped by the launcher, by which signal), not how long
+/// that took: the ranks that fail nothing sleep 60 s, so a launcher that waited for them instead
+/// of stopping them shows in their records, whatever the machine's speed or load.
+std::string launch_expecting_failure(distributed::Launcher& launcher) {
   std::string message;
   try {
     launcher.launch();
@@ -124,7 +127,7 @@ std::pair<std::string, double> launch_expecting_failure(distributed::Launcher& l
   } catch (const trainloop::Error& error) {
     message = error.what();
   }
-  return {message, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+  return message;
 }
 
 /// Starts this test binary as a separate launcher program (TL_TEST_ROLE=launcher).
@@ -211,14 +214,16 @@ BOOST_AUTO_TEST_CASE(three_ranks_succeed_with_their_environment) {
     run_dir = launcher.run_dir();
     BOOST_TEST(fs::is_directory(run_dir));
     BOOST_TEST(launcher.master_port() >= 1);
+    const auto before = std::chrono::steady_clock::now();
     const auto& ranks = launcher.launch();
+    const double launch_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count();
     BOOST_REQUIRE(ranks.size() == 3u);
     const std::string threads = std::to_string(trainloop::cpu::intra_op_threads_for(3));
     for (int rank = 0; rank < 3; ++rank) {
       BOOST_TEST(ranks[rank].succeeded());
       BOOST_TEST(ranks[rank].rank == rank);
       BOOST_TEST(ranks[rank].wall_seconds > 0.0);
-      BOOST_TEST(ranks[rank].wall_seconds < 30.0);
+      BOOST_TEST(ranks[rank].wall_seconds <= launch_seconds);  // a rank's life lies inside launch()
       BOOST_TEST(process_gone(ranks[rank].pid));
       std::ostringstream expected;  // rank world local local_world node port OMP extra
       expected << rank << " 3 " << rank << " 3 0 " << launcher.master_port() << ' ' << threads << " x";
@@ -262,8 +267,7 @@ BOOST_AUTO_TEST_CASE(user_thread_choice_and_node_offset_reach_children) {
 BOOST_AUTO_TEST_CASE(failing_rank_stops_the_others_and_is_named) {
   OutDir out;
   distributed::Launcher launcher(child_options(3, "fail_rank1", out.path));
-  auto [message, seconds] = launch_expecting_failure(launcher);
-  BOOST_TEST(seconds < 10.0);
+  const std::string message = launch_expecting_failure(launcher);
   BOOST_TEST(contains(message, "rank 1 (local rank 1"), message);
   BOOST_TEST(contains(message, "exit code 1"), message);
   BOOST_TEST(contains(message, "rank 1 exploded on purpose"), message);
@@ -281,11 +285,14 @@ BOOST_AUTO_TEST_CASE(failing_rank_stops_the_others_and_is_named) {
 BOOST_AUTO_TEST_CASE(rank_killed_by_signal_is_named_with_the_signal) {
   OutDir out;
   distributed::Launcher launcher(child_options(3, "sigkill_rank2", out.path));
-  auto [message, seconds] = launch_expecting_failure(launcher);
-  BOOST_TEST(seconds < 10.0);
+  const std::string message = launch_expecting_failure(launcher);
   BOOST_TEST(contains(message, "rank 2 (local rank 2"), message);
   BOOST_TEST(contains(message, "killed by SIGKILL (signal 9)"), message);
   BOOST_TEST(launcher.ranks()[2].signal == SIGKILL);
+  for (int rank : {0, 1}) {
+    BOOST_TEST(launcher.ranks()[rank].stopped_by_launcher);
+    BOOST_TEST(launcher.ranks()[rank].signal == SIGTERM);  // not left to sleep out their 60 s
+  }
   for (const auto& process : launcher.ranks()) BOOST_TEST(process_gone(process.pid));
 }
 
@@ -300,7 +307,7 @@ BOOST_AUTO_TEST_CASE(the_rank_that_crashed_is_named_not_the_peer_that_noticed) {
       auto options = child_options(2, "crash_and_peer_reports", out.path);
       options.env()["TL_TEST_PEER_DIES_OF"] = peer_dies_of;
       distributed::Launcher launcher(options);
-      auto [message, seconds] = launch_expecting_failure(launcher);
+      const std::string message = launch_expecting_failure(launcher);
       BOOST_TEST(message.rfind("trainloop: rank 1 failed: killed by SIGSEGV", 0) == 0u, message);
       // Rank 0 either ended by itself (listed after rank 1) or was stopped by the launcher.
       BOOST_TEST((contains(message, "also failed: rank 0 (") || contains(message, "the other 1 running rank(s) were stopped")),
@@ -312,8 +319,7 @@ BOOST_AUTO_TEST_CASE(the_rank_that_crashed_is_named_not_the_peer_that_noticed) {
 BOOST_AUTO_TEST_CASE(a_rank_that_exits_0_before_its_work_is_done_is_a_failure) {
   OutDir out;
   distributed::Launcher launcher(child_options(2, "exit0_rank1", out.path).require_completion(true));
-  auto [message, seconds] = launch_expecting_failure(launcher);
-  BOOST_TEST(seconds < 10.0);
+  const std::string message = launch_expecting_failure(launcher);
   BOOST_TEST(contains(message, "rank 1 failed: exited with status 0 before its work was done"), message);
   BOOST_TEST(launcher.ranks()[0].stopped_by_launcher);
 }
@@ -357,16 +363,29 @@ BOOST_AUTO_TEST_CASE(run_directories_of_dead_launchers_are_removed_by_the_next) 
 BOOST_AUTO_TEST_CASE(rank_ignoring_sigterm_is_killed_after_grace) {
   OutDir out;
   distributed::Launcher launcher(child_options(2, "ignore_term", out.path).grace_period(500ms));
-  auto [message, seconds] = launch_expecting_failure(launcher);
-  BOOST_TEST(seconds < 10.0);
+  const std::string message = launch_expecting_failure(launcher);
   BOOST_TEST(contains(message, "rank 0 fails while rank 1 ignores SIGTERM"), message);
   const auto& stubborn = launcher.ranks()[1];
   BOOST_TEST(stubborn.stopped_by_launcher);
+  // SIGTERM first (its handler noted it and it carried on), then SIGKILL: in that order.
+  BOOST_TEST(fs::exists(out.path / "got_sigterm1"));
   BOOST_TEST(stubborn.signal == SIGKILL);
-  // It outlived rank 0 by at least the grace period, and not by much more.
-  const double outlived = stubborn.wall_seconds - launcher.ranks()[0].wall_seconds;
-  BOOST_TEST(outlived >= 0.45);
-  BOOST_TEST(outlived < 3.0);
+  for (const auto& process : launcher.ranks()) BOOST_TEST(process_gone(process.pid));
+}
+
+BOOST_AUTO_TEST_CASE(rank_that_ends_within_the_grace_period_is_not_killed) {
+  // The grace period is honoured: rank 1 takes a while to clean up after SIGTERM, then exits by
+  // itself, and no SIGKILL cuts it short. (The grace period only bounds a hang here.)
+  OutDir out;
+  distributed::Launcher launcher(child_options(2, "clean_up_on_term", out.path).grace_period(60s));
+  const std::string message = launch_expecting_failure(launcher);
+  BOOST_TEST(contains(message, "rank 0 fails while rank 1 can clean up"), message);
+  const auto& cleaner = launcher.ranks()[1];
+  BOOST_TEST(cleaner.stopped_by_launcher);
+  BOOST_TEST(fs::exists(out.path / "got_sigterm1"));
+  BOOST_TEST(fs::exists(out.path / "cleaned_up1"));
+  BOOST_TEST(cleaner.signal == 0);
+  BOOST_TEST(cleaner.exit_code == 0);
   for (const auto& process : launcher.ranks()) BOOST_TEST(process_gone(process.pid));
 }
 
@@ -396,7 +415,7 @@ BOOST_AUTO_TEST_CASE(program_that_cannot_start_is_reported) {
   auto options = child_options(2, "succeed", out.path);
   options.executable("/nonexistent/trainloop-rank").argv({"trainloop-rank"});
   distributed::Launcher launcher(options);
-  auto [message, seconds] = launch_expecting_failure(launcher);
+  const std::string message = launch_expecting_failure(launcher);
   BOOST_TEST(contains(message, "cannot start rank 0 (/nonexistent/trainloop-rank)"), message);
   BOOST_TEST(launcher.ranks().empty());
 }
@@ -417,11 +436,10 @@ BOOST_AUTO_TEST_CASE(sigint_with_a_user_handler_stops_ranks_and_throws) {
   std::thread interrupter([&] {
     if (wait_for_file(out.path / "pid0") && wait_for_file(out.path / "pid1")) ::kill(::getpid(), SIGINT);
   });
-  auto [message, seconds] = launch_expecting_failure(launcher);
+  const std::string message = launch_expecting_failure(launcher);
   interrupter.join();
   ::sigaction(SIGINT, &previous, nullptr);
   BOOST_TEST(contains(message, "launch interrupted by SIGINT; all 2 ranks were stopped"), message);
-  BOOST_TEST(seconds < 10.0);
   BOOST_TEST(user_handler_calls == 1);
   for (const auto& process : launcher.ranks()) {
     BOOST_TEST(process.signal == SIGTERM);
@@ -480,7 +498,8 @@ BOOST_AUTO_TEST_CASE(killing_the_launcher_kills_its_ranks) {
   ::kill(launcher, SIGKILL);
   int status = 0;
   BOOST_REQUIRE(::waitpid(launcher, &status, 0) == launcher);
-  auto deadline = std::chrono::steady_clock::now() + 5s;
+  // PR_SET_PDEATHSIG kills them at once; the deadline only bounds a hang (it is not a speed goal).
+  auto deadline = std::chrono::steady_clock::now() + 60s;
   for (pid_t child : children) {
     int child_status = 0;
     pid_t reaped = 0;
@@ -501,11 +520,11 @@ BOOST_AUTO_TEST_CASE(sigterm_to_the_launcher_stops_ranks_then_ends_it) {
   OutDir out;
   pid_t launcher = start_launcher_program(out.path);
   std::vector<pid_t> children = wait_for_child_pids(out.path);
-  auto start = std::chrono::steady_clock::now();
   ::kill(launcher, SIGTERM);
   int status = 0;
   BOOST_REQUIRE(::waitpid(launcher, &status, 0) == launcher);
-  BOOST_TEST(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 5.0);
+  // Ended by the signal, not by its ranks: a launcher that waited for them would exit 0 after
+  // their 60 s of sleep.
   BOOST_TEST(WIFSIGNALED(status));
   BOOST_TEST(WTERMSIG(status) == SIGTERM);  // re-raised with the default disposition
   // The launcher reaped its ranks before dying, so they are gone, not zombies.

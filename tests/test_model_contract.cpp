@@ -45,6 +45,23 @@ struct SiameseImpl : torch::nn::Module {
 };
 TORCH_MODULE(Siamese);
 
+// The same model with a loss of its own: batch_loss(batch) takes no criterion.
+struct OwnLossSiameseImpl : SiameseImpl {
+  torch::Tensor batch_loss(const PairBatch& batch) {
+    return torch::mse_loss(encoder(batch.left) - encoder(batch.right), batch.target);
+  }
+};
+TORCH_MODULE(OwnLossSiamese);
+
+// Which contract each model has, as the loop sees it at compile time: a model with only forward()
+// has no loss of its own, so a loop without a criterion does not compile for it
+// (tests/compile_fail/no_criterion.cpp checks the message).
+static_assert(tl::detail::HasCustomContract<OwnLossSiameseImpl, PairBatch>);
+static_assert(tl::detail::HasLossWithoutCriterion<OwnLossSiameseImpl, PairBatch>);
+static_assert(tl::detail::HasCustomContract<SiameseImpl, PairBatch>);
+static_assert(!tl::detail::HasLossWithoutCriterion<SiameseImpl, PairBatch>);
+static_assert(!tl::detail::HasCustomContract<torch::nn::LinearImpl, torch::data::Example<>>);
+
 /// Mean absolute error as a user-defined metric: (sum of |error|, count).
 struct MeanAbsoluteError : tl::Metric {
   std::string name() const override { return "mae"; }
@@ -78,6 +95,50 @@ BOOST_AUTO_TEST_CASE(a_model_with_its_own_loss_trains_on_custom_batches) {
   // predict() uses batch_predictions in dataset order.
   auto predicted = loop.predict(PairDataset(64));
   BOOST_TEST(predicted.size(0) == 64);
+}
+
+BOOST_AUTO_TEST_CASE(a_model_with_its_own_loss_needs_no_criterion) {
+  // Trained without a criterion, batch_loss(batch) computes what MSELoss computed through the
+  // criterion above: the same weights, bit for bit.
+  auto train = [](auto net, auto make_loop) {
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto loop = make_loop(net, optimizer);
+    auto history = loop.fit(3);
+    return std::pair{net->encoder->weight.clone(), history};
+  };
+  const auto options = tl::TrainLoopOptions().batch_size(16).seed(4);
+  torch::manual_seed(0);
+  auto [with_criterion, history_with] = train(Siamese(), [&](Siamese net, torch::optim::Optimizer& optimizer) {
+    return tl::TrainLoop<Siamese, tl::gpu_mode::Single, PairBatch>(net, PairDataset(256), PairDataset(64), optimizer,
+                                                                   torch::nn::MSELoss(), options);
+  });
+  torch::manual_seed(0);
+  auto [without, history_without] = train(OwnLossSiamese(), [&](OwnLossSiamese net, torch::optim::Optimizer& optimizer) {
+    return tl::TrainLoop<OwnLossSiamese, tl::gpu_mode::Single, PairBatch>(net, PairDataset(256), PairDataset(64),
+                                                                          optimizer, options);
+  });
+  BOOST_TEST(torch::equal(with_criterion, without));
+  BOOST_TEST(history_without.last().train_loss == history_with.last().train_loss);
+  BOOST_TEST(history_without.last().validation->loss == history_with.last().validation->loss);
+  BOOST_TEST(history_without.last().train_loss < history_without.epochs.front().train_loss);
+}
+
+BOOST_AUTO_TEST_CASE(a_batch_loss_that_calls_a_criterion_never_given_is_a_clear_error) {
+  // Siamese's batch_loss(batch, criterion) calls the criterion: without one, fit() says so
+  // instead of throwing std::bad_function_call.
+  torch::manual_seed(0);
+  Siamese net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop<Siamese, tl::gpu_mode::Single, PairBatch> loop(net, PairDataset(32), {}, optimizer,
+                                                               tl::TrainLoopOptions().batch_size(16));
+  std::string message;
+  try {
+    loop.fit(1);
+  } catch (const tl::ConfigurationError& error) {
+    message = error.what();
+  }
+  BOOST_TEST(message.find("batch_loss(batch, criterion) called the criterion") != std::string::npos, message);
+  BOOST_TEST(message.find("built without one") != std::string::npos, message);
 }
 
 BOOST_AUTO_TEST_CASE(metrics_are_exact_on_hand_computed_cases) {

@@ -8,11 +8,13 @@
 ///
 /// Custom contract (any batch type, like aitoolbox's TTModel `get_loss` / `get_predictions`):
 ///   the model's module defines
-///   - `torch::Tensor batch_loss(const Batch& batch, trainloop::Criterion& criterion)` — the mean loss;
+///   - `torch::Tensor batch_loss(const Batch& batch, trainloop::Criterion& criterion)` — the mean loss,
+///     or `torch::Tensor batch_loss(const Batch& batch)` for a model whose loss needs no criterion;
 ///   - `trainloop::Predictions batch_predictions(const Batch& batch)` — outputs and targets for metrics.
 ///   The batch type provides `int64_t batch_size() const` and, to be moved to the mode's device,
 ///   `Batch to(torch::Device) const` (without it the model moves what it needs itself).
-///   When both contracts fit, the custom one wins.
+///   When both contracts fit, the custom one wins. A model with the custom contract may be given
+///   no criterion at all (TrainLoop's constructor without one).
 
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/error.hpp>
@@ -69,11 +71,24 @@ concept HasDefaultContract = is_example_batch_v<Batch> && requires(Impl& module,
   { module.forward(input) } -> std::convertible_to<torch::Tensor>;
 };
 
+/// The module's own loss that takes the loop's criterion: `batch_loss(batch, criterion)`.
 template <class Impl, class Batch>
-concept HasCustomContract = requires(Impl& module, const Batch& batch, Criterion& criterion) {
+concept HasLossWithCriterion = requires(Impl& module, const Batch& batch, Criterion& criterion) {
   { module.batch_loss(batch, criterion) } -> std::convertible_to<torch::Tensor>;
-  { module.batch_predictions(batch) } -> std::convertible_to<Predictions>;
 };
+
+/// The module's own loss that needs no criterion: `batch_loss(batch)`.
+template <class Impl, class Batch>
+concept HasLossWithoutCriterion = requires(Impl& module, const Batch& batch) {
+  { module.batch_loss(batch) } -> std::convertible_to<torch::Tensor>;
+};
+
+/// The custom contract: a loss of the module's own (with or without the criterion) and its predictions.
+template <class Impl, class Batch>
+concept HasCustomContract = (HasLossWithCriterion<Impl, Batch> || HasLossWithoutCriterion<Impl, Batch>) &&
+                            requires(Impl& module, const Batch& batch) {
+                              { module.batch_predictions(batch) } -> std::convertible_to<Predictions>;
+                            };
 
 template <class Impl, class Batch>
 concept ModelContract = HasDefaultContract<Impl, Batch> || HasCustomContract<Impl, Batch>;
@@ -85,8 +100,30 @@ constexpr void require_model_contract() {
                 "trainloop: the model does not fit a training contract. Either (a) define "
                 "`torch::Tensor forward(torch::Tensor input)` and train on batches of "
                 "torch::data::Example<> (input, target), or (b) define both "
-                "`torch::Tensor batch_loss(const Batch&, trainloop::Criterion&)` returning the mean loss "
-                "and `trainloop::Predictions batch_predictions(const Batch&)` in the model's module.");
+                "`torch::Tensor batch_loss(const Batch&, trainloop::Criterion&)` (or `batch_loss(const Batch&)`) "
+                "returning the mean loss and `trainloop::Predictions batch_predictions(const Batch&)` in the model's "
+                "module.");
+}
+
+/// Produces a static_assert when a loop built without a criterion would need one.
+template <class Impl, class Batch>
+constexpr void require_own_loss() {
+  static_assert(HasCustomContract<Impl, Batch>,
+                "trainloop: a TrainLoop built without a criterion needs a model that computes its own loss: define "
+                "`torch::Tensor batch_loss(const Batch&)` (or `batch_loss(const Batch&, trainloop::Criterion&)`) and "
+                "`trainloop::Predictions batch_predictions(const Batch&)` in the model's module, or pass a criterion "
+                "such as torch::nn::CrossEntropyLoss() to the constructor (a model with only forward() needs one).");
+}
+
+/// The criterion of a loop built without one. The custom contract never calls it unless the
+/// model's `batch_loss(batch, criterion)` does: then the error says what is missing, where a
+/// default std::function would throw a bare std::bad_function_call.
+inline Criterion missing_criterion() {
+  return [](const torch::Tensor&, const torch::Tensor&) -> torch::Tensor {
+    throw ConfigurationError(
+        "trainloop: the model's batch_loss(batch, criterion) called the criterion, but the TrainLoop was built "
+        "without one; expected a criterion passed to the TrainLoop constructor, or a batch_loss(batch) that needs none");
+  };
 }
 
 /// Number of samples in a batch.
@@ -138,7 +175,11 @@ StepOutput forward_batch(Impl& module, const Batch& batch, Criterion& criterion,
   out.samples = batch_size_of(batch);
   if constexpr (HasCustomContract<Impl, Batch>) {
     try {
-      out.loss = module.batch_loss(batch, criterion);
+      if constexpr (HasLossWithCriterion<Impl, Batch>) {
+        out.loss = module.batch_loss(batch, criterion);
+      } else {
+        out.loss = module.batch_loss(batch);
+      }
     } catch (const c10::Error&) {
       rethrow_with_context("trainloop: the model's batch_loss() failed");
     }

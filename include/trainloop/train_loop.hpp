@@ -84,6 +84,25 @@ class TrainLoop {
     TRAINLOOP_CHECK(static_cast<bool>(criterion_), "no criterion was given");
   }
 
+  /// @brief Builds the loop for a model that computes its own loss (model_contract.hpp's custom
+  /// contract: `batch_loss(batch)` or `batch_loss(batch, criterion)`, and `batch_predictions`), so
+  /// no criterion is needed. A model with only `forward()` does not compile here: it needs one.
+  ///
+  /// @code
+  /// trainloop::TrainLoop<Siamese, trainloop::gpu_mode::Single, PairBatch> loop(net, train, test, optimizer);
+  /// @endcode
+  ///
+  /// The other parameters are those of the constructor with a criterion. Should the model's
+  /// `batch_loss(batch, criterion)` call the criterion anyway, that call throws a ConfigurationError.
+  TrainLoop(model_handle model, data::AnyDataset<Batch> train, data::AnyDataset<Batch> validation,
+            torch::optim::Optimizer& optimizer, TrainLoopOptions options = {}, GpuMode mode = {})
+      : TrainLoop(std::move(model), std::move(train), std::move(validation), optimizer, detail::missing_criterion(),
+                  std::move(options), std::move(mode)) {
+    // Here, not as a constraint on the constructor: a failed constraint reads "no matching
+    // constructor", where this says what the model lacks.
+    detail::require_own_loss<module_type, Batch>();
+  }
+
   /// @brief Trains for `epochs` more epochs; see the FitLength overload for `callbacks` and `resume`.
   History fit(int64_t epochs, const CallbackList& callbacks = {}, const std::string& resume = "") {
     return fit(FitLength::epochs(epochs), callbacks, resume);

@@ -12,6 +12,17 @@
 /// Random steps draw from a generator seeded by (seed, epoch, sample index): the same sample gets
 /// the same augmentation in every run and in every mode (DDP ranks, DataParallel replicas, loader
 /// workers), whichever process or thread decodes it, and another one in the next epoch.
+///
+/// A user's own step joins the pipeline: `image_step` on the decoded image (in order with the
+/// geometric steps), `tensor_step` on the final tensor. Either may take the sample's generator:
+/// @code
+/// auto train = trainloop::data::Transforms().resize(32)
+///                  .image_step([](trainloop::data::Image image, std::mt19937_64& generator) { ... })
+///                  .normalize({0.5}, {0.25})
+///                  .tensor_step([](torch::Tensor x, std::mt19937_64& generator) {
+///                    return x + 0.01 * torch::randn(x.sizes(), trainloop::data::torch_generator(generator));
+///                  });
+/// @endcode
 
 #include <trainloop/data/image.hpp>
 #include <trainloop/error.hpp>
@@ -23,6 +34,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,11 +56,19 @@ inline std::mt19937_64 sample_generator(uint64_t seed, uint64_t epoch, uint64_t 
 /// unlike std::uniform_real_distribution).
 inline double uniform01(std::mt19937_64& generator) { return static_cast<double>(generator() >> 11) * 0x1.0p-53; }
 
-/// @brief A pipeline of image steps, then conversion to a tensor and normalization.
+/// @brief A torch CPU generator seeded from the sample's stream, for a user step that draws with
+/// torch's random functions (`torch::rand(sizes, torch_generator(generator))`). Torch's global
+/// generator would not do: loader threads share it in no fixed order, so the draws would differ
+/// from run to run.
+inline at::Generator torch_generator(std::mt19937_64& generator) { return at::detail::createCPUGenerator(generator()); }
+
+/// @brief A pipeline of image steps, then conversion to a tensor and normalization, then tensor steps.
 class Transforms {
  public:
   /// One geometric step on the image, with the sample's generator.
   using Step = std::function<Image(Image, std::mt19937_64&)>;
+  /// One step on the converted (and normalized) C x H x W float tensor, with the sample's generator.
+  using TensorStep = std::function<torch::Tensor(torch::Tensor, std::mt19937_64&)>;
 
   /// @brief Resizes so the shorter side is `size` (torchvision's Resize(int)).
   Transforms& resize(int64_t size) {
@@ -59,13 +79,13 @@ class Transforms {
       }
       return data::resize(image, std::max<int64_t>(1, std::lround(static_cast<double>(size) * image.height / image.width)), size);
     });
-    min_size_ = std::max(min_size_, size);
+    needs_size(size);
     return *this;
   }
   /// @brief Resizes to exactly height x width.
   Transforms& resize(int64_t height, int64_t width) {
     steps_.push_back([height, width](Image image, std::mt19937_64&) { return data::resize(image, height, width); });
-    min_size_ = std::max({min_size_, height, width});
+    needs_size(std::max(height, width));
     return *this;
   }
   /// @brief The central `size` x `size` square (padded with zeros when the image is smaller).
@@ -75,7 +95,7 @@ class Transforms {
       if (image.height < size || image.width < size) image = pad_to(image, size);
       return crop(image, (image.height - size) / 2, (image.width - size) / 2, size, size);
     });
-    min_size_ = std::max(min_size_, size);
+    needs_size(size);
     return *this;
   }
   /// @brief torchvision's RandomResizedCrop: a random area fraction in `scale` and aspect ratio in
@@ -103,7 +123,7 @@ class Transforms {
       const int64_t side = std::min(image.height, image.width);
       return data::resize(crop(image, (image.height - side) / 2, (image.width - side) / 2, side, side), size, size);
     });
-    min_size_ = std::max(min_size_, size);
+    needs_size(size);
     return *this;
   }
   /// @brief Mirrors the image left to right with probability `p`.
@@ -114,6 +134,30 @@ class Transforms {
     });
     return *this;
   }
+  /// @brief A step of the user's own on the image (H x W x C bytes), run in order with the steps
+  /// above: `Image step(Image)`, or `Image step(Image, std::mt19937_64&)` for a random step.
+  ///
+  /// A random step draws only from the generator it is given (the sample's stream after the
+  /// earlier steps' draws): then it too gives the same sample the same augmentation in every
+  /// run, mode and loader thread. It sees the image at the size the earlier steps left: when a
+  /// sized step (resize, crops) comes after it, images are decoded at full size, not scaled down.
+  template <class F>
+  Transforms& image_step(F step) {
+    steps_.push_back(with_generator<Image>(std::move(step), "image_step"));
+    user_image_step_ = true;
+    return *this;
+  }
+  /// @brief A step of the user's own on the final C x H x W float tensor, after the conversion
+  /// to [0, 1] and normalize() (as torchvision's RandomErasing after Normalize): `torch::Tensor
+  /// step(torch::Tensor)` or `torch::Tensor step(torch::Tensor, std::mt19937_64&)`; tensor steps
+  /// run in the order added, after every image step. Random draws as for image_step (for torch's
+  /// random functions: torch_generator(generator)).
+  template <class F>
+  Transforms& tensor_step(F step) {
+    tensor_steps_.push_back(with_generator<torch::Tensor>(std::move(step), "tensor_step"));
+    return *this;
+  }
+
   /// @brief After conversion to [0, 1]: (x - mean[c]) / std[c] per channel (one value: every channel).
   Transforms& normalize(std::vector<double> mean, std::vector<double> std) {
     TRAINLOOP_CHECK(!mean.empty() && mean.size() == std.size(), "normalize with ", mean.size(), " means and ", std.size(),
@@ -125,13 +169,50 @@ class Transforms {
   }
 
   /// @brief The smallest side the geometric steps need of the decoded image: a JPEG may be decoded
-  /// down to it (0: no step asked for a size).
-  int64_t min_size() const { return min_size_; }
+  /// down to it (0: full size; no step asked for a size, or a user's image_step comes before one).
+  int64_t min_size() const { return full_size_ ? 0 : min_size_; }
 
-  /// @brief Applies every step with the sample's generator, then converts to a C x H x W float
-  /// tensor in [0, 1], normalized.
+  /// @brief Applies every image step with the sample's generator, converts to a C x H x W float
+  /// tensor in [0, 1], normalized, then applies the tensor steps.
   torch::Tensor apply(Image image, std::mt19937_64& generator) const {
     for (const auto& step : steps_) image = step(std::move(image), generator);
+    torch::Tensor tensor = to_tensor(image);
+    for (const auto& step : tensor_steps_) tensor = step(std::move(tensor), generator);
+    return tensor;
+  }
+
+ private:
+  /// `step` as a Step or TensorStep: one that takes no generator gets one it ignores. Loader
+  /// threads call one step at once, so it must be callable as const (no `mutable` lambda): a step
+  /// with state of its own would race, and its results would depend on the threads' order.
+  template <class Value, class F>
+  static std::function<Value(Value, std::mt19937_64&)> with_generator(F step, const char* what) {
+    constexpr bool takes_generator = std::is_invocable_r_v<Value, const F&, Value, std::mt19937_64&>;
+    static_assert(takes_generator || std::is_invocable_r_v<Value, const F&, Value>,
+                  "trainloop: a Transforms step must be callable on a const object as `T step(T)` or "
+                  "`T step(T, std::mt19937_64&)`, with T = trainloop::data::Image for image_step and torch::Tensor "
+                  "for tensor_step (loader threads call it at once: no `mutable` lambda)");
+    if constexpr (std::is_constructible_v<bool, const F&>) {  // a std::function or a function pointer
+      TRAINLOOP_CHECK(static_cast<bool>(step), "the step given to ", what, " is empty; expected a callable");
+    }
+    if constexpr (takes_generator) {
+      return [step = std::move(step)](Value value, std::mt19937_64& generator) -> Value {
+        return step(std::move(value), generator);
+      };
+    } else {
+      return [step = std::move(step)](Value value, std::mt19937_64&) -> Value { return step(std::move(value)); };
+    }
+  }
+
+  /// A geometric step needs `size` of the image it gets; a user's image step before it sees the
+  /// decoded image, whose size only the user knows it needs, so decoding stays at full size.
+  void needs_size(int64_t size) {
+    min_size_ = std::max(min_size_, size);
+    if (user_image_step_) full_size_ = true;
+  }
+
+  /// The image as a C x H x W float tensor in [0, 1], normalized.
+  torch::Tensor to_tensor(const Image& image) const {
     const int64_t channels = image.channels, pixels = image.height * image.width;
     TRAINLOOP_CHECK(mean_.empty() || mean_.size() == 1 || static_cast<int64_t>(mean_.size()) == channels, "normalize has ",
                     mean_.size(), " means for an image of ", channels, " channels; expected 1 or ", channels);
@@ -151,7 +232,6 @@ class Transforms {
     return tensor;
   }
 
- private:
   /// `image` centred in a zero image of at least `size` x `size`.
   static Image pad_to(const Image& image, int64_t size) {
     Image out = Image::blank(std::max(image.height, size), std::max(image.width, size), image.channels);
@@ -165,8 +245,11 @@ class Transforms {
   }
 
   std::vector<Step> steps_;
+  std::vector<TensorStep> tensor_steps_;
   std::vector<double> mean_, std_;
   int64_t min_size_ = 0;
+  bool user_image_step_ = false;  // an image_step was added
+  bool full_size_ = false;        // a sized step follows a user's image step: decode at full size
 };
 
 }  // namespace trainloop::data

@@ -148,12 +148,14 @@ inline torch::jit::Module load_script_archive(const std::filesystem::path& path)
 class ScriptModuleImpl : public torch::nn::Module {
  public:
   /// @brief Loads `path` (written by `torch.jit.script(model).save(path)`) on the CPU.
+  /// @param path the TorchScript file
   /// @throws CheckpointError for a missing file or one that is not a TorchScript model (a
   ///         state_dict, a checkpoint, anything else), libtorch's error nested;
   ///         ConfigurationError when forward does not take and return one tensor.
   explicit ScriptModuleImpl(const std::filesystem::path& path) : ScriptModuleImpl(detail::load_script_archive(path), path) {}
 
   /// @brief Wraps a module already loaded (shares it: its tensors are the trained ones).
+  /// @param scripted the TorchScript module (from torch::jit::load, or built in C++)
   /// @param origin where it came from, for messages
   explicit ScriptModuleImpl(torch::jit::Module scripted, const std::filesystem::path& origin = "<in memory>")
       : torch::nn::Module(detail::script_class_name(scripted)), scripted_(std::move(scripted)) {
@@ -171,13 +173,16 @@ class ScriptModuleImpl : public torch::nn::Module {
   }
 
   /// @brief Runs the scripted forward.
+  /// @param input the batch
+  /// @return the scripted forward's output
   torch::Tensor forward(torch::Tensor input) {
     auto output = scripted_.forward({std::move(input)});
     return output.toTensor();
   }
 
-  /// @brief Sets train or eval mode here and in the scripted module (which starts in eval mode
-  /// when loaded).
+  /// @brief Sets train or eval mode here and in the scripted module (which keeps the mode it was
+  /// saved in when loaded).
+  /// @param on true: train mode; false: eval mode
   void train(bool on = true) override {
     torch::nn::Module::train(on);
     scripted_.train(on);
@@ -185,6 +190,7 @@ class ScriptModuleImpl : public torch::nn::Module {
 
   /// @brief A deep copy on `device`, for gpu_mode::DataParallel's replicas: its own tensors and
   /// the same code.
+  /// @param device where the copy lives
   std::shared_ptr<ScriptModuleImpl> replicate(const torch::Device& device) const {
     torch::NoGradGuard no_grad;
     auto copy = std::make_shared<ScriptModuleImpl>(scripted_.deepcopy(), "a replica");
@@ -195,6 +201,7 @@ class ScriptModuleImpl : public torch::nn::Module {
 
   /// @brief Writes the model, with its current weights, as a TorchScript file Python's
   /// `torch.jit.load` reads; atomically (a crash leaves the previous file or the complete new one).
+  /// @param path the file to write
   /// @throws CheckpointError naming the path when it cannot be written.
   void save(const std::filesystem::path& path) const {
     trainloop::detail::BasicAtomicFile<CheckpointError> file(path, "the TorchScript file");
