@@ -49,7 +49,7 @@ void train_and_evaluate(Model model, const Arguments& args, const trainloop::dat
                                        TrainLoopOptions().batch_size(args.batch_size).num_workers(args.workers)
                                            .seed(args.seed).precision(parse_precision(args.precision)).metrics(metrics),
                                        mode_from_flags(args.mode));
-  if (args.epochs > 0) loop.fit(args.epochs, {FlatCos(args.lr), MixUp(MixUpOptions(0.1).num_classes(classes)), ProgressBar()});
+  if (args.epochs > 0) loop.fit(args.epochs, {FlatCos(args.lr), MixUp(0.1), ProgressBar()});
   const EvalResult result = loop.evaluate(test);
   if (!is_main_process()) return;
   std::cout << args.mode.gpu_mode << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss;

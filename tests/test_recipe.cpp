@@ -470,10 +470,19 @@ BOOST_AUTO_TEST_CASE(mixup_blends_inputs_and_targets_reproducibly_and_the_loss_i
   auto history = loop.fit(3, {std::make_shared<tl::MixUp>(tl::MixUpOptions(0.4).num_classes(3))});
   BOOST_TEST(history.last().train_metrics.at("accuracy") > 0.4);
   BOOST_TEST(history.last().validation->metrics.at("accuracy") > 0.6);
+  // The class count learnt from the data (a TensorDataset given num_classes 3): the same training.
   Problem q;
   auto loop2 = make_loop(q);
-  BOOST_TEST(error_of([&] { loop2.fit(1, {std::make_shared<tl::MixUp>()}); }).find("MixUp got class labels and num_classes 0") !=
-             std::string::npos);
+  auto learned = loop2.fit(3, {tl::MixUp(0.4)});
+  BOOST_TEST(learned.last().train_loss == history.last().train_loss);
+  BOOST_TEST(torch::equal(flat_params(q.net->parameters()), flat_params(p.net->parameters())));
+  // A dataset that does not say its classes, and no num_classes: a clear error.
+  Problem r;
+  auto labelled = make_data(160, 1);
+  tl::TrainLoop<Mlp> loop3(r.net, tl::data::TensorDataset(labelled.inputs(), labelled.targets()), {}, r.optimizer,
+                           torch::nn::CrossEntropyLoss(), small_options());
+  BOOST_TEST(error_of([&] { loop3.fit(1, {tl::MixUp()}); }).find("MixUp got class labels, num_classes 0 and a training "
+                                                                  "dataset that does not say its classes") != std::string::npos);
 }
 
 // ---- DDP: 2 and 3 ranks -------------------------------------------------------------------------

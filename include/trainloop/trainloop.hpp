@@ -21,6 +21,10 @@
 #include <trainloop/data/image_folder.hpp>
 #include <trainloop/data/tensor_dataset.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/finetune/fine_tune.hpp>
+#include <trainloop/finetune/freeze.hpp>
+#include <trainloop/finetune/lr_range.hpp>
+#include <trainloop/finetune/parameter_groups.hpp>
 #include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
 #include <trainloop/gpu_mode/distributed.hpp>

@@ -14,7 +14,7 @@ set(layers
   "checkpoint=4" "models=4"
   "callbacks=5" "interop=5"
   "schedules=6"
-  "engine=7"
+  "engine=7" "finetune=7"
   "distributed=8" "replicas=8"
   "gpu_mode=9"
   "loop=10"

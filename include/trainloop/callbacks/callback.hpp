@@ -77,6 +77,9 @@ struct TrainState {
   // ---- the model ----------------------------------------------------------------------------
   torch::nn::Module* model = nullptr;          ///< the model being trained (the unwrapped module)
   torch::optim::Optimizer* optimizer = nullptr;  ///< its optimizer
+  /// Classes of the training data when its dataset says (an ImageFolder's classes, a
+  /// TensorDataset's num_classes, FashionMNIST's 10); 0 when it does not.
+  int64_t num_classes = 0;
 
   /// Mean training loss of this epoch so far on this process. Synchronises with the device:
   /// call it at display rate, not every batch.

@@ -4,7 +4,8 @@
 /// another sample of the same batch, x = λ·x_i + (1−λ)·x_j, and its loss is blended the same way.
 ///
 /// @code
-/// loop.fit(10, {std::make_shared<trainloop::MixUp>(trainloop::MixUpOptions(0.4).num_classes(10))});
+/// loop.fit(10, {trainloop::MixUp(0.4)});  // the class count from the data (ImageFolder, TensorDataset, FashionMNIST)
+/// loop.fit(10, {trainloop::MixUp(trainloop::MixUpOptions(0.4).num_classes(10))});  // or given
 /// @endcode
 ///
 /// As fastai: a λ per sample drawn from Beta(α, α) and replaced by max(λ, 1−λ) (so each sample
@@ -38,7 +39,8 @@ struct MixUpOptions {
   explicit MixUpOptions(double alpha = 0.4) : alpha_(alpha) {}
   /// The Beta(α, α) parameter.
   TORCH_ARG(double, alpha);
-  /// Number of classes, to turn integer labels into soft targets (required for class labels).
+  /// Number of classes, to turn integer labels into soft targets; 0: the training dataset's (an
+  /// ImageFolder's classes, a TensorDataset's num_classes), an error when it does not say.
   TORCH_ARG(int64_t, num_classes) = 0;
   /// Seed of the draws (combined with the rank and the global step).
   TORCH_ARG(uint64_t, seed) = 0;
@@ -89,9 +91,13 @@ class MixUp : public Callback {
     if (target.is_floating_point()) {
       soft = target;
     } else {
-      TRAINLOOP_CHECK(options_.num_classes() > 0, "MixUp got class labels and num_classes 0; expected "
-                      "MixUpOptions().num_classes(C) with the model's number of classes");
-      soft = torch::one_hot(target.to(torch::kInt64), options_.num_classes()).to(torch::kFloat32);
+      // The class count: the option when given, else what the training data says (fastai's
+      // MixUp needs neither: it mixes two losses; a soft target needs the width of the one-hot).
+      const int64_t classes = options_.num_classes() > 0 ? options_.num_classes() : state.num_classes;
+      TRAINLOOP_CHECK(classes > 0, "MixUp got class labels, num_classes 0 and a training dataset that does not say "
+                      "its classes; expected MixUpOptions().num_classes(C) with the model's number of classes (or "
+                      "an ImageFolder, or a TensorDataset given num_classes)");
+      soft = torch::one_hot(target.to(torch::kInt64), classes).to(torch::kFloat32);
     }
     std::vector<int64_t> target_shape(static_cast<size_t>(soft.dim()), 1);
     target_shape[0] = n;

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -53,6 +54,11 @@ class AnyDataset {
     if constexpr (requires { dataset->set_epoch(uint64_t{}); }) {
       set_epoch_ = [dataset](uint64_t epoch) { dataset->set_epoch(epoch); };
     }
+    if constexpr (requires { dataset->classes().size(); }) {  // ImageFolder
+      num_classes_ = static_cast<int64_t>(dataset->classes().size());
+    } else if constexpr (requires { { dataset->num_classes() } -> std::convertible_to<std::optional<int64_t>>; }) {
+      num_classes_ = dataset->num_classes();  // TensorDataset given num_classes, FashionMNIST
+    }
   }
 
   /// @brief True when a dataset is held.
@@ -64,6 +70,9 @@ class AnyDataset {
   void set_epoch(uint64_t epoch) const {
     if (set_epoch_) set_epoch_(epoch);
   }
+  /// @brief Number of classes, when the dataset says (`classes()` of an ImageFolder,
+  /// `num_classes()` of a TensorDataset given one); none otherwise. MixUp learns it from here.
+  std::optional<int64_t> num_classes() const { return num_classes_; }
   /// @brief The batch for `indices` (in that order).
   Batch get_batch(c10::ArrayRef<size_t> indices) const {
     TRAINLOOP_CHECK(has_value(), "no dataset was given");
@@ -74,6 +83,7 @@ class AnyDataset {
   std::function<Batch(c10::ArrayRef<size_t>)> get_batch_;
   std::function<void(uint64_t)> set_epoch_;
   size_t size_ = 0;
+  std::optional<int64_t> num_classes_;
 };
 
 }  // namespace trainloop::data

@@ -146,6 +146,7 @@ class FitRunner {
     state.is_main = engine.is_main();
     state.model = &module_;
     state.optimizer = &optimizer_;
+    state.num_classes = train_.num_classes().value_or(0);
     state.batches_per_epoch = batches_per_epoch;
     state.first_epoch = progress_.fit_first_epoch;
     state.epoch = progress_.epochs_completed + 1;  // the epoch about to run (on_fit_begin sees it)

@@ -127,12 +127,17 @@ class ReplicaSet {
     for (size_t k = 0; k < copied_.size(); ++k) {
       const bool is_parameter = k < parameter_count;
       const torch::Tensor& source = is_parameter ? parameters_[0][k] : buffers_[0][k - parameter_count];
+      // Frozen or unfrozen (trainloop::freeze) without a change of value: the flag still follows,
+      // or a replica would compute a gradient the model's parameter must not get (or miss one).
+      for (size_t r = 1; is_parameter && r < replicas_.size(); ++r) {
+        torch::Tensor& target = parameters_[r][k];
+        if (target.requires_grad() != source.requires_grad()) target.set_requires_grad(source.requires_grad());
+      }
       const Fingerprint now{source.data_ptr(), source._version()};
       if (only_changed && now == copied_[k]) continue;
       for (size_t r = 1; r < replicas_.size(); ++r) {
         torch::Tensor& target = is_parameter ? parameters_[r][k] : buffers_[r][k - parameter_count];
         target.copy_(source);
-        if (is_parameter && target.requires_grad() != source.requires_grad()) target.set_requires_grad(source.requires_grad());
       }
       copied_[k] = now;
     }
