@@ -2,8 +2,7 @@
 // gpu_mode, repetition by repetition, and one table: samples/s, step time median and p95, and the
 // throughput ratio to the hand-written loop (also written as CSV).
 //
-//   compare_modes --workload cnn --repetitions 3 --samples 6400 --batch-size 64 --device cpu \
-//                 --replicas 2 --procs 2 --modes hand,single,dp,ddp --csv compare_modes.csv
+//   compare_modes --workload cnn --repetitions 3 --samples 6400 --batch-size 64 --device cpu --replicas 2 --procs 2 --modes hand,single,dp,ddp --csv compare_modes.csv
 //
 // Workloads:
 // - cnn (default): the Fashion-MNIST CNN of examples/fashion_net.hpp on a fixed random subset of

@@ -1,8 +1,7 @@
 // ddp_overlap: does all-reducing gradient buckets during backward (GradientReducer overlap) make
 // a DDP step faster than all-reducing them after backward? 2 CPU ranks (Gloo).
 //
-//   ddp_overlap --repetitions 3 --layers 6 --width 1024 --batch-size 8 --steps 60 \
-//               --bucket-cap-mib 2 --first-bucket-cap-mib 1
+//   ddp_overlap --repetitions 3 --layers 6 --width 1024 --batch-size 8 --steps 60 --bucket-cap-mib 2 --first-bucket-cap-mib 1
 //
 // The model is a stack of `--layers` width x width linear layers (4 MiB of gradient each at
 // width 1024) with a small per-rank batch, so communication is a large share of the step, and the
@@ -17,7 +16,7 @@
 // Each fit() re-executes this program per rank; a rank skips the earlier fit() calls, so the
 // printing after the loop happens once, in the launching process.
 
-#include <trainloop/gpu_mode/distributed.hpp>
+#include <trainloop/gpu_mode/distributed_data_parallel.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <CLI/CLI.hpp>

@@ -20,7 +20,7 @@
 
 #include "bench_common.hpp"
 
-#include <trainloop/gpu_mode/distributed.hpp>
+#include <trainloop/gpu_mode/distributed_data_parallel.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <CLI/CLI.hpp>

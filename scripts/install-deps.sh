@@ -24,6 +24,7 @@ packages=(
   dataset-fashion-mnist            # /usr/share/datasets/fashion-mnist, examples and tests
   doxygen                          # API docs (ctest doxygen_no_warnings)
   iproute2                         # `ip` and `ss`: network interfaces and ports of distributed runs
+  openmpi-bin                      # mpirun: test_mpirun joins ranks it starts (trainloop does not link MPI)
   python3-torch                    # PyTorch 1.13: the reference of the tests that compare with Python
   python3-torchvision              # (test_python_weights: torchvision's resnet18) and the benchmarks' peer
 )

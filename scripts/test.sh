@@ -14,7 +14,7 @@ jobs=$(nproc)
 
 "$repo/scripts/install-deps.sh"
 
-cmake -S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release
+cmake -S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DTRAINLOOP_WARNINGS_AS_ERRORS=ON
 cmake --build "$build_dir" -j "$jobs"
 
 cd "$build_dir"

@@ -4,14 +4,15 @@
 //   ddp_worker <scenario> <world> <out-dir> [port]
 //
 // Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
-// exit0, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
+// exit0, checkpoint_error, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
 // throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, ckpt (checkpoints, resume
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
-// 4 on a c10::Error, 5 on a c10::OutOfMemoryError.
+// 4 on a c10::Error, 5 on a c10::OutOfMemoryError; a CheckpointError is a trainloop::Error (3)
+// printed as "CHECKPOINT_ERROR: ..." ("NESTED rank=N type=T" when a RankFailedError is nested in it).
 
 #include "ddp_test_model.hpp"
 
@@ -29,9 +30,9 @@ namespace tl = trainloop;
 
 namespace {
 
-/// This process's rank when it is one (own launcher or torchrun variables), else -1.
+/// This process's rank when it is one (own launcher, torchrun or mpirun variables), else -1.
 int own_rank() {
-  for (const char* name : {"TRAINLOOP_RANK", "RANK"}) {
+  for (const char* name : {"TRAINLOOP_RANK", "RANK", "OMPI_COMM_WORLD_RANK"}) {
     if (const char* value = std::getenv(name)) return std::atoi(value);
   }
   return -1;
@@ -44,6 +45,9 @@ struct FailOnRank : tl::Callback {
   void on_batch_end(tl::TrainState& state) override {
     if (own_rank() != 1) return;
     if (how == "throw" && state.epoch == 2 && state.batch == 2) throw std::runtime_error("rank one gave up in epoch 2");
+    if (how == "checkpoint_error" && state.epoch == 1 && state.batch == 2) {
+      throw tl::CheckpointError("trainloop: checkpoint /shared/ckpt/epoch3.ckpt is truncated; expected a whole file");
+    }
     if (how == "sigkill" && state.epoch == 1 && state.batch == 3) std::raise(SIGKILL);
     if (how == "segv" && state.epoch == 1 && state.batch == 3) std::raise(SIGSEGV);
     if (how == "exit0" && state.epoch == 1 && state.batch == 3) std::exit(0);  // user code ending the program
@@ -184,7 +188,8 @@ int main(int argc, char** argv) {
       options.batch_size(8).shuffle(true);
       epochs = 2;
     }
-    if (scenario == "throw" || scenario == "sigkill" || scenario == "segv" || scenario == "exit0") {
+    if (scenario == "throw" || scenario == "sigkill" || scenario == "segv" || scenario == "exit0" ||
+        scenario == "checkpoint_error") {
       callbacks.push_back(std::make_shared<FailOnRank>(scenario));
       epochs = 3;
       // Failure must be caught by the launcher, not a timeout (test_distributed's kFailureTimeoutSeconds).
@@ -329,7 +334,8 @@ int main(int argc, char** argv) {
     // Only one process gets here per job: the launching one (or each rank, when joined by torchrun).
     std::vector<torch::Tensor> params;
     for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
-    torch::save(params, out_dir + "/params" + (std::getenv("RANK") ? std::string(std::getenv("RANK")) : "") + ".pt");
+    const char* joined_rank = std::getenv("RANK") ? std::getenv("RANK") : std::getenv("OMPI_COMM_WORLD_RANK");
+    torch::save(params, out_dir + "/params" + (joined_rank ? std::string(joined_rank) : "") + ".pt");
     if (tl::is_main_process() && scenario == "stop_on_rank1") {
       std::ofstream(out_dir + "/result.txt") << "steps " << history.total_steps << "\nstop_reason_ok "
                                              << (history.stop_reason == "a callback on another rank asked to stop" ? 1 : 0)
@@ -356,6 +362,14 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     std::cerr << "C10_ERROR: " << e.what() << '\n';
     return 4;
+  } catch (const tl::CheckpointError& e) {
+    std::cerr << "CHECKPOINT_ERROR: " << e.what() << '\n';
+    try {
+      std::rethrow_if_nested(e);
+    } catch (const tl::RankFailedError& nested) {
+      std::cerr << "NESTED rank=" << nested.details().rank << " type=" << nested.details().error_type << '\n';
+    }
+    return 3;
   } catch (const tl::RankFailedError& e) {
     std::cerr << "ERROR: " << e.what() << "\nRANK_FAILED rank=" << e.details().rank << '\n';
     return 3;

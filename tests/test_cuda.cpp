@@ -67,7 +67,7 @@ torch::Tensor five_steps(Mode mode) {
 BOOST_AUTO_TEST_CASE(nccl_collectives_on_one_rank, *boost::unit_test::precondition(cuda_present)) {
   const torch::Device cuda("cuda:0");
   auto group = distributed::ProcessGroup::create(distributed::ProcessGroupOptions{
-      .master_port = distributed::find_free_port(), .backend = distributed::Backend::Nccl, .device = cuda});
+      .master_port = distributed::find_free_port(), .is_store_server = std::nullopt, .backend = distributed::Backend::Nccl, .device = cuda});
   BOOST_TEST((group.backend() == distributed::Backend::Nccl));
   auto x = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat32).device(cuda));
   group.all_reduce_sum(x);

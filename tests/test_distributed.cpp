@@ -485,6 +485,19 @@ BOOST_AUTO_TEST_CASE(an_out_of_memory_error_in_a_rank_is_caught_as_c10_out_of_me
   fs::remove_all(run.dir);
 }
 
+BOOST_AUTO_TEST_CASE(a_checkpoint_error_in_a_rank_is_caught_as_checkpoint_error_with_the_rank_failure_nested) {
+  auto run = run_worker("checkpoint_error", 2);
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 3);
+  // caught as trainloop::CheckpointError, not as RankFailedError
+  BOOST_TEST(run.output.find("CHECKPOINT_ERROR: ") != std::string::npos);
+  BOOST_TEST(run.output.find("RANK_FAILED") == std::string::npos);
+  BOOST_TEST(run.output.find("epoch3.ckpt is truncated") != std::string::npos);
+  BOOST_TEST(run.output.find("NESTED rank=1 type=trainloop::CheckpointError") != std::string::npos);
+  BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(run.dir);
+}
+
 BOOST_AUTO_TEST_CASE(a_caller_that_retries_a_failed_fit_with_a_smaller_batch_gets_the_same_path_in_every_rank) {
   // The ranks of the retry pass the failed fit() again: it must throw there too, or they would
   // skip the caller's catch block and never reach the retry.
@@ -671,6 +684,7 @@ BOOST_AUTO_TEST_CASE(a_full_disk_stops_every_rank_with_an_error_naming_the_file,
     auto full = run_ckpt("full", disk.dir.path, "TL_TEST_EPOCHS=3");
     BOOST_TEST_MESSAGE(full.output);
     BOOST_TEST(full.exit_code == 3);  // a trainloop error, not an abort
+    BOOST_TEST(full.output.find("CHECKPOINT_ERROR: ") != std::string::npos);  // caught as CheckpointError
     const std::string third = (disk.dir.path / "epoch=0003-step=000015.ckpt").string();
     BOOST_TEST(full.output.find("cannot write the checkpoint " + third) != std::string::npos, full.output);
     BOOST_TEST(full.output.find("No space left on device") != std::string::npos, full.output);

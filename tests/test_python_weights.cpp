@@ -185,7 +185,10 @@ std::string python_dtype(torch::ScalarType dtype) {
 /// The manifest line Python writes for a tensor: "name dtype d0,d1" ("-" for no dimensions).
 std::string manifest_line(const std::string& name, const torch::Tensor& t) {
   std::string shape;
-  for (auto size : t.sizes()) shape += (shape.empty() ? "" : ",") + std::to_string(size);
+  for (auto size : t.sizes()) {
+    if (!shape.empty()) shape += ',';
+    shape += std::to_string(size);
+  }
   return name + " " + python_dtype(t.scalar_type()) + " " + (shape.empty() ? "-" : shape);
 }
 

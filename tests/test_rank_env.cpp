@@ -29,7 +29,7 @@ const char* const kRankVariables[] = {
     "SLURM_NODEID", "SLURM_STEP_ID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE",
     "SLURM_TASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
     "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE"};
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"};
 
 struct CleanRankEnvironment {
   std::map<std::string, std::optional<std::string>> saved;
@@ -278,6 +278,37 @@ BOOST_AUTO_TEST_CASE(openmpi_without_master_is_a_clear_error) {
   set({{"MASTER_PORT", "-1"}});
   message = detect_error();
   BOOST_TEST(contains(message, "MASTER_PORT=-1"), message);
+}
+
+BOOST_AUTO_TEST_CASE(openmpi_on_one_machine_needs_no_master_variables) {
+  // Open MPI 4 names the job in OMPI_MCA_ess_base_jobid (as `mpirun -np 2 env` shows on Debian 12).
+  set({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"OMPI_MCA_ess_base_jobid", "872742913"}});
+  auto rank1 = distributed::detect_rank_env();
+  BOOST_REQUIRE(rank1.has_value());
+  BOOST_TEST(rank1->master_addr == "127.0.0.1");
+  BOOST_TEST(rank1->master_port >= 20000);
+  BOOST_TEST(rank1->master_port < 30000);
+  set({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
+  BOOST_TEST(distributed::detect_rank_env()->master_port == rank1->master_port);  // every rank derives it alike
+  set({{"OMPI_MCA_ess_base_jobid", "872742914"}});  // the next job on this machine
+  BOOST_TEST(distributed::detect_rank_env()->master_port != rank1->master_port);
+  ::unsetenv("OMPI_MCA_ess_base_jobid");  // Open MPI 5 (PRRTE) names it in PMIX_NAMESPACE
+  set({{"PMIX_NAMESPACE", "prterun-vm-4242@1"}});
+  auto five = distributed::detect_rank_env();
+  BOOST_TEST(five->master_addr == "127.0.0.1");
+  BOOST_TEST(five->master_port >= 20000);
+  set({{"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "29601"}});  // the user's choice wins
+  BOOST_TEST(distributed::detect_rank_env()->master_addr == "10.0.0.7");
+  BOOST_TEST(distributed::detect_rank_env()->master_port == 29601);
+}
+
+BOOST_AUTO_TEST_CASE(openmpi_across_machines_still_asks_for_master_variables) {
+  set({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"OMPI_MCA_ess_base_jobid", "872742913"}});
+  const std::string message = detect_error();
+  BOOST_TEST(contains(message, "MASTER_ADDR is not set"), message);
+  BOOST_TEST(contains(message, "across machines"), message);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -235,6 +235,42 @@ BOOST_AUTO_TEST_CASE(progress_bar_prints_one_plain_line_per_epoch) {
   BOOST_TEST(live.str().find('\r') != std::string::npos);
 }
 
+/// What `f` prints on std::cout.
+template <class F>
+std::string captured_stdout(F&& f) {
+  std::ostringstream captured;
+  auto* original = std::cout.rdbuf(captured.rdbuf());
+  try {
+    f();
+  } catch (...) {
+    std::cout.rdbuf(original);
+    throw;
+  }
+  std::cout.rdbuf(original);
+  return captured.str();
+}
+
+BOOST_AUTO_TEST_CASE(progress_is_shown_by_default_on_a_terminal_only_and_never_twice) {
+  const tl::CallbackList none;
+  BOOST_TEST(tl::detail::with_default_progress(none, true).size() == 1u);
+  BOOST_TEST(tl::detail::with_default_progress(none, false).empty());
+  // ctest's output is a pipe, not a terminal: nothing added by default.
+  BOOST_REQUIRE(::isatty(STDOUT_FILENO) == 0);
+  BOOST_TEST(tl::detail::with_default_progress(none, std::nullopt).empty());
+  const tl::CallbackList own{tl::ProgressBar()};
+  BOOST_TEST(tl::detail::with_default_progress(own, true).size() == 1u);  // the user's bar, not a second one
+
+  auto net = seeded_net(10);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto options = tl::TrainLoopOptions().batch_size(10);
+  tl::TrainLoop<Net> quiet(net, blobs(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), options);
+  BOOST_TEST(captured_stdout([&] { quiet.fit(1); }).empty());
+  tl::TrainLoop<Net> shown(net, blobs(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), options.progress(true));
+  const std::string text = captured_stdout([&] { shown.fit(2); });
+  BOOST_TEST(std::count(text.begin(), text.end(), '\n') == 2, text);  // one plain line per epoch
+  BOOST_TEST(text.find("epoch 2/2 train_loss") != std::string::npos, text);
+}
+
 BOOST_AUTO_TEST_CASE(bad_input_gives_clear_errors) {
   auto net = seeded_net(11);
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace trainloop {
@@ -53,6 +54,10 @@ struct TrainLoopOptions {
   /// global batch of every rank (nn/sync_batch_norm.hpp). Off: each rank uses its own batch's, as
   /// torch::nn::BatchNorm does (Lightning's default; fastai's DistributedTrainer turns it on).
   TORCH_ARG(bool, sync_batchnorm) = false;
+  /// Show a ProgressBar in every fit() that has none among its callbacks: by default (nullopt)
+  /// when standard output is a terminal; `true` always (one line per epoch into a file or pipe),
+  /// `false` never.
+  TORCH_ARG(std::optional<bool>, progress) = std::nullopt;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief Throws trainloop::Error naming the first option that is out of range.

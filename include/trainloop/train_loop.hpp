@@ -3,6 +3,7 @@
 /// @brief TrainLoop<Model, GpuMode>: trains a libtorch model with one loop in every gpu_mode.
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/callbacks/progress_bar.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
 #include <trainloop/distributed/main_process.hpp>
@@ -61,6 +62,11 @@ class TrainLoop {
                 "is_main, rank, world_size, device, data_shard, all_reduce_sum, all_gather, any_rank, barrier, "
                 "prepare, begin_fit, end_fit, before_optimizer_step, after_optimizer_step), and it is not a "
                 "run-time choice of modes (gpu_mode::AnyOf)");
+  static_assert(!ModeEngine<engine_type> || !detail::engine_supports_v<engine_type, Batch> ||
+                    ModeEngineFor<engine_type, Batch>,
+                "trainloop: GpuMode's engine cannot train or evaluate this Batch type: it needs "
+                "train_micro_batch(batch, forward, loss_scale, synchronize, sink) and eval_batch(batch, forward, "
+                "sink) (engine/mode_engine.hpp)");
 
   /// @brief Builds the loop; nothing is moved or spawned until fit() or evaluate().
   /// @param model the model; it keeps the trained weights after fit()
@@ -112,7 +118,8 @@ class TrainLoop {
   /// loop stands: a second fit() continues the epoch count, the sample order and the random
   /// stream (epoch 3 after two epochs; inside an epoch if the last fit stopped there).
   /// @param length how many more epochs or optimizer steps
-  /// @param callbacks the callbacks of this call (see callbacks/callback.hpp)
+  /// @param given the callbacks of this call (see callbacks/callback.hpp); a ProgressBar is added
+  ///        on a terminal unless TrainLoopOptions::progress says otherwise
   /// @param resume "" to continue from the loop as it is; "last" to resume from the newest
   ///        checkpoint of the ModelCheckpoint among `callbacks` (trying older ones when it is
   ///        unreadable, starting fresh when there is none yet); a checkpoint file or directory.
@@ -121,7 +128,8 @@ class TrainLoop {
   ///        starts a new call of `length`. After a restart (max_restarts, torchrun) "last" is
   ///        implied when a ModelCheckpoint is given.
   /// @return the History of every epoch so far (earlier fits and resumed checkpoints included).
-  History fit(const FitLength& length, const CallbackList& callbacks = {}, const std::string& resume = "") {
+  History fit(const FitLength& length, const CallbackList& given = {}, const std::string& resume = "") {
+    const CallbackList callbacks = detail::with_default_progress(given, options_.progress());
     const detail::ResumeSpec spec = detail::resolve_resume(resume, callbacks);
     return with_prepared_engine([&](auto& mode_engine) {
       detail::FitActions actions;
@@ -232,6 +240,9 @@ class TrainLoop {
       using Result = std::invoke_result_t<F&, detail::SingleEngine<module_type>&>;
       return engine_->visit([&](auto& chosen) -> Result {
         if constexpr (detail::engine_supports_v<std::decay_t<decltype(chosen)>, Batch>) {
+          static_assert(ModeEngineFor<std::decay_t<decltype(chosen)>, Batch>,
+                        "trainloop: a mode of the run-time choice has an engine that cannot train or evaluate "
+                        "this Batch type: it needs every member of engine/mode_engine.hpp's ModeEngineFor");
           return f(chosen);
         } else {
           throw ConfigurationError("trainloop: " + detail::engine_cannot_train_text<std::decay_t<decltype(chosen)>>());

@@ -27,7 +27,7 @@
 #include <trainloop/finetune/parameter_groups.hpp>
 #include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
-#include <trainloop/gpu_mode/distributed.hpp>
+#include <trainloop/gpu_mode/distributed_data_parallel.hpp>
 #include <trainloop/gpu_mode/mode_flags.hpp>
 #include <trainloop/gpu_mode/parse.hpp>
 #include <trainloop/gpu_mode/single.hpp>

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <algorithm>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -93,5 +94,21 @@ class ProgressBar : public Callback {
   double refresh_seconds_;
   double last_draw_ = -1e9;
 };
+
+namespace detail {
+
+/// `callbacks` with a ProgressBar added when `progress` asks for one (by default: standard output
+/// is a terminal) and none is among them already.
+inline CallbackList with_default_progress(const CallbackList& callbacks, std::optional<bool> progress) {
+  if (!progress.value_or(::isatty(STDOUT_FILENO) == 1)) return callbacks;
+  for (const auto& callback : callbacks) {
+    if (dynamic_cast<const ProgressBar*>(callback.get()) != nullptr) return callbacks;
+  }
+  CallbackList with_bar = callbacks;
+  with_bar.push_back(std::make_shared<ProgressBar>());
+  return with_bar;
+}
+
+}  // namespace detail
 
 }  // namespace trainloop

@@ -7,6 +7,7 @@
 /// (first a 3-number fingerprint; on mismatch a table sized by the agreed maximum entry count),
 /// so ranks with different models get the same clear error instead of a hang.
 
+#include <trainloop/detail/stable_hash.hpp>
 #include <trainloop/distributed/process_group.hpp>
 #include <trainloop/error.hpp>
 
@@ -38,16 +39,7 @@ inline std::vector<StateEntry> state_entries(const torch::nn::Module& module) {
   return entries;
 }
 
-/// FNV-1a, kept to 63 bits so it survives as a non-negative int64 tensor element. std::hash is
-/// not guaranteed to agree between differently built binaries; this is.
-inline std::int64_t stable_hash(const std::string& text, std::uint64_t seed = 1469598103934665603ULL) {
-  std::uint64_t hash = seed;
-  for (unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ULL;
-  }
-  return static_cast<std::int64_t>(hash >> 1);
-}
+using trainloop::detail::stable_hash;
 
 /// Fixed-width description of one entry: kind, dtype, rank (ndim), up to 8 dims, name hash.
 /// An absent entry (a rank with fewer entries) is all -1.

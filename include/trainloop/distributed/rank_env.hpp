@@ -10,7 +10,7 @@
 /// | Trainloop | TRAINLOOP_RANK          | TRAINLOOP_RANK, TRAINLOOP_WORLD_SIZE  | TRAINLOOP_LOCAL_RANK, TRAINLOOP_LOCAL_WORLD_SIZE       | TRAINLOOP_NODE_RANK    | TRAINLOOP_MASTER_ADDR, TRAINLOOP_MASTER_PORT      |
 /// | Torchrun  | RANK and WORLD_SIZE     | RANK, WORLD_SIZE                      | LOCAL_RANK, LOCAL_WORLD_SIZE (default: RANK, WORLD_SIZE)| GROUP_RANK             | MASTER_ADDR, MASTER_PORT (required)               |
 /// | Slurm     | SLURM_PROCID, SLURM_NTASKS and SLURM_STEP_ID | SLURM_PROCID, SLURM_NTASKS      | SLURM_LOCALID, SLURM_NTASKS_PER_NODE or SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE | SLURM_NODEID | MASTER_ADDR or first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST; MASTER_PORT or 15000 + SLURM_JOB_ID % 10000 |
-/// | OpenMPI   | OMPI_COMM_WORLD_RANK    | OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE | rank / local size | MASTER_ADDR, MASTER_PORT (required)               |
+/// | OpenMPI   | OMPI_COMM_WORLD_RANK    | OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE | rank / local size | MASTER_ADDR, MASTER_PORT; on one machine (local size = world size) 127.0.0.1 and 20000 + hash(OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE) % 10000 |
 ///
 /// The Trainloop source also carries TRAINLOOP_RUN_DIR (the launcher's run directory, where a
 /// failing rank leaves its error text) and TRAINLOOP_LAUNCHER_PID (the pid the rank expects as
@@ -25,6 +25,7 @@
 /// [1, 65535] throws trainloop::Error naming the variable and its value.
 
 #include <trainloop/detail/environment.hpp>
+#include <trainloop/detail/stable_hash.hpp>
 #include <trainloop/error.hpp>
 
 #include <charconv>
@@ -261,10 +262,21 @@ inline RankEnv rank_env_from_slurm() {
   return env;
 }
 
+/// The port every rank of one mpirun job derives alike from the job's identity: Open MPI 4 names
+/// the job in OMPI_MCA_ess_base_jobid, Open MPI 5 (PRRTE) in PMIX_NAMESPACE. 20000-29999 lies
+/// below Linux's ephemeral range (32768-60999), so an outgoing connection rarely holds it, and two
+/// jobs on one machine rarely collide (a collision is a clear "address in use" from the store).
+inline std::optional<int> openmpi_job_port() {
+  auto job = env_string("OMPI_MCA_ess_base_jobid");
+  if (!job) job = env_string("PMIX_NAMESPACE");
+  if (!job) return std::nullopt;
+  return 20000 + static_cast<int>(trainloop::detail::stable_hash(*job) % 10000);
+}
+
 inline RankEnv rank_env_from_openmpi() {
   constexpr std::string_view source = "Open MPI (mpirun)";
   constexpr std::string_view hint =
-      "; Open MPI does not say where rank 0's store is: export MASTER_ADDR and MASTER_PORT "
+      "; across machines Open MPI does not say where rank 0's store is: export MASTER_ADDR and MASTER_PORT "
       "(e.g. mpirun -x MASTER_ADDR=host0 -x MASTER_PORT=29500 ...)";
   RankEnv env;
   env.source = RankEnvSource::OpenMPI;
@@ -274,11 +286,23 @@ inline RankEnv rank_env_from_openmpi() {
   env.local_world_size = required_env_int("OMPI_COMM_WORLD_LOCAL_SIZE", source, 1);
   // mpirun's default by-slot mapping fills nodes in rank order.
   env.node_rank = env.rank / env.local_world_size;
-  env.master_addr = required_env_string("MASTER_ADDR", source, hint);
-  auto port = env_string("MASTER_PORT");
-  TRAINLOOP_CHECK(port.has_value(), "MASTER_PORT is not set but the environment looks like a ",
-                  source, " rank; expected it to be set", hint);
-  env.master_port = static_cast<int>(parse_integer(*port, "MASTER_PORT", 1, 65535));
+  // Every rank on this machine: rank 0's store is on the loopback, at a port derived from the job.
+  const bool one_machine = env.local_world_size == env.world_size;
+  const auto job_port = one_machine ? openmpi_job_port() : std::nullopt;
+  if (auto addr = env_string("MASTER_ADDR")) {
+    env.master_addr = *addr;
+  } else if (job_port) {
+    env.master_addr = "127.0.0.1";
+  } else {
+    env.master_addr = required_env_string("MASTER_ADDR", source, hint);
+  }
+  if (auto port = env_string("MASTER_PORT")) {
+    env.master_port = static_cast<int>(parse_integer(*port, "MASTER_PORT", 1, 65535));
+  } else {
+    TRAINLOOP_CHECK(job_port.has_value(), "MASTER_PORT is not set but the environment looks like a ",
+                    source, " rank; expected it to be set", hint);
+    env.master_port = *job_port;
+  }
   check_rank_env(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");
   return env;

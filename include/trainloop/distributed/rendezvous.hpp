@@ -49,7 +49,7 @@ struct ProcessGroupOptions {
   int master_port = 29500;                 ///< port of the TCPStore server, in [1, 65535]
   /// Whether this rank hosts the TCPStore server. Unset: rank 0 does. Set false on every rank
   /// when somebody else already hosts it (torchrun with TORCHELASTIC_USE_AGENT_STORE=True).
-  std::optional<bool> is_store_server;
+  std::optional<bool> is_store_server = std::nullopt;
   Backend backend = Backend::Auto;         ///< resolved with `device` when Auto
   torch::Device device = torch::kCPU;      ///< this rank's compute device (cuda:LOCAL_RANK for NCCL)
   /// Limit for connecting to the store, the rendezvous, and each collective. Short in tests.

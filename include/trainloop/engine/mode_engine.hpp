@@ -72,6 +72,29 @@ concept ModeEngine = requires(Engine& engine, const Engine& const_engine, torch:
 };
 
 namespace detail {
+/// Stand-ins for the loop's forward and metric sink, only to check an engine's batch members
+/// (declared, never defined: used in unevaluated requires-expressions only).
+struct ForwardArchetype {
+  template <class Module, class Batch>
+  StepOutput operator()(Module&, const Batch&) const;
+};
+struct SinkArchetype {
+  void operator()(const StepOutput&) const;
+};
+}  // namespace detail
+
+/// @brief A ModeEngine that can also train and evaluate batches of type `Batch`: every member
+/// the loop calls. Checked for a compile-time mode and for each mode a run-time choice can pick,
+/// so a user's engine that misses one fails with the member's name instead of deep inside the loop.
+template <class Engine, class Batch>
+concept ModeEngineFor = ModeEngine<Engine> &&
+    requires(Engine& engine, const Batch& batch, detail::ForwardArchetype forward, detail::SinkArchetype sink,
+             double loss_scale, bool synchronize) {
+      engine.train_micro_batch(batch, forward, loss_scale, synchronize, sink);
+      engine.eval_batch(batch, forward, sink);
+    };
+
+namespace detail {
 /// Whether an engine can train batches of type `Batch` with its module (true unless a mode
 /// specialises it: DataParallel needs replicable modules and splittable batches). Used by
 /// gpu_mode::Any so a run-time choice compiles for every model, and names the mode that cannot.

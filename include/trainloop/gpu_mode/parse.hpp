@@ -13,7 +13,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
-#include <trainloop/gpu_mode/distributed.hpp>
+#include <trainloop/gpu_mode/distributed_data_parallel.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 
 #include <concepts>

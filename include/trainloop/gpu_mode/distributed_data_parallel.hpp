@@ -42,7 +42,7 @@
 namespace trainloop {
 namespace detail {
 template <class Module>
-class DistributedEngine;
+class DistributedDataParallelEngine;
 }
 
 namespace gpu_mode {
@@ -54,7 +54,7 @@ struct DistributedDataParallel {
   static constexpr const char* name = "ddp";
   /// The engine the loop runs for a model whose module type is `Module`.
   template <class Module>
-  using engine = detail::DistributedEngine<Module>;
+  using engine = detail::DistributedDataParallelEngine<Module>;
 
   /// Processes started on this node; 0 means one per visible CUDA device, or 2 on a CPU machine.
   TORCH_ARG(int, procs_per_node) = 0;
@@ -132,9 +132,9 @@ namespace detail {
 
 /// The engine of gpu_mode::DistributedDataParallel (see distributed.hpp for the whole story).
 template <class Module>
-class DistributedEngine {
+class DistributedDataParallelEngine {
  public:
-  DistributedEngine(const gpu_mode::DistributedDataParallel& mode, std::shared_ptr<Module> module)
+  DistributedDataParallelEngine(const gpu_mode::DistributedDataParallel& mode, std::shared_ptr<Module> module)
       : mode_(mode), module_(std::move(module)), env_(distributed::detail::cached_rank_env()) {
     mode_.validate();
     if (env_) {

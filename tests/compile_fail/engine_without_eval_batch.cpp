@@ -1,0 +1,47 @@
+// Must not compile: a user's gpu_mode whose engine has no eval_batch (the loop calls it).
+// ctest's compile_fail_mode_engine builds it and expects train_loop.hpp's ModeEngineFor text.
+
+#include <trainloop/trainloop.hpp>
+
+template <class Module>
+class HalfEngine {  // every member of ModeEngine, train_micro_batch, but no eval_batch
+ public:
+  HalfEngine(const auto&, std::shared_ptr<Module> module) : module_(std::move(module)) {}
+  bool is_main() const { return true; }
+  int64_t rank() const { return 0; }
+  int64_t world_size() const { return 1; }
+  torch::Device device() const { return torch::kCPU; }
+  trainloop::DataShard data_shard() const { return {}; }
+  void all_reduce_sum(torch::Tensor&) {}
+  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
+  bool any_rank(bool flag) { return flag; }
+  void barrier() {}
+  void prepare() {}
+  void begin_fit(torch::optim::Optimizer&) {}
+  void end_fit() noexcept {}
+  void before_optimizer_step() {}
+  void after_optimizer_step() {}
+  template <class Batch, class Forward, class Sink>
+  void train_micro_batch(const Batch& batch, Forward&& forward, double, bool, Sink&& sink) {
+    auto out = forward(*module_, batch);
+    out.loss.backward();
+    sink(out);
+  }
+
+ private:
+  std::shared_ptr<Module> module_;
+};
+
+struct HalfMode {
+  static constexpr const char* name = "half";
+  template <class Module>
+  using engine = HalfEngine<Module>;
+};
+
+int main() {
+  torch::nn::Linear model(4, 2);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  trainloop::data::TensorDataset data(torch::zeros({8, 4}), torch::zeros({8}, torch::kLong), 2);
+  trainloop::TrainLoop<torch::nn::Linear, HalfMode> loop(model, data, {}, optimizer, torch::nn::CrossEntropyLoss());
+  loop.fit(1);
+}
