@@ -25,6 +25,7 @@
 /// backward); all shared state is guarded by one mutex.
 
 #include <trainloop/detail/torch_compat.hpp>
+#include <trainloop/distributed/gradient_comm_hook.hpp>
 #include <trainloop/distributed/process_group.hpp>
 #include <trainloop/error.hpp>
 
@@ -77,6 +78,7 @@ struct ReducerState {
   bool overlap = true;
   ProcessGroup group;
   double scale = 1.0;  // 1 / world_size
+  std::shared_ptr<GradientCommHook> hook;  // null: all-reduce sum of each bucket
   std::vector<torch::Tensor> parameters;
   std::vector<Slot> slots;
   std::vector<Bucket> buckets;
@@ -120,7 +122,7 @@ struct ReducerState {
   void launch_ready_buckets(bool from_hook) {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
       Bucket& bucket = buckets[next_to_launch];
-      bucket.work = group.all_reduce_sum_async(bucket.flat);
+      bucket.work = hook ? hook->launch(group, next_to_launch, bucket.flat) : group.all_reduce_sum_async(bucket.flat);
       launch_order.push_back(next_to_launch);
       launched_from_hooks += from_hook ? 1 : 0;
       ++allreduce_count;
@@ -226,6 +228,9 @@ class GradientReducer {
       lock.unlock();  // waiting needs no state; don't block other threads on the mutex meanwhile
       for (const auto& work : works) state_->group.wait(work, "gradient all-reduce");
       lock.lock();
+      if (state_->hook) {
+        for (std::size_t i = 0; i < state_->buckets.size(); ++i) state_->hook->finish(i, state_->buckets[i].flat);
+      }
       copy_results_to_grads();
       state_->reset_step();
     } catch (...) {
@@ -245,6 +250,16 @@ class GradientReducer {
                     "set_sync(", enabled ? "true" : "false",
                     ") called between backward and finalize(); expected it before backward or after finalize()");
     state_->sync = enabled;
+  }
+
+  /// Communicates each bucket with `hook` instead of an all-reduce sum (null: back to the
+  /// all-reduce); see distributed/gradient_comm_hook.hpp. Every rank must set the same kind of hook.
+  /// @throws trainloop::Error when called between a synced backward and its finalize().
+  void set_comm_hook(std::shared_ptr<GradientCommHook> hook) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TRAINLOOP_CHECK(!state_->step_in_progress(), "set_comm_hook() called between backward and finalize(); "
+                    "expected it before backward or after finalize()");
+    state_->hook = std::move(hook);
   }
 
   /// Whether reduction is enabled.
