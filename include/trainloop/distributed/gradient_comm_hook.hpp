@@ -23,11 +23,15 @@ namespace trainloop::distributed {
 class GradientCommHook {
  public:
   virtual ~GradientCommHook() = default;
-  /// @brief Starts reducing bucket `index` over `group`.
+  /// @brief Starts reducing one bucket across the ranks.
+  /// @param group the ranks' process group
+  /// @param index the bucket's position in launch order (0 = the first to fill in backward)
   /// @param flat the bucket: this rank's gradients times 1/world size, contiguous, on the group's device
   /// @return the work the reducer waits for before calling finish()
   virtual WorkHandle launch(ProcessGroup& group, std::size_t index, const torch::Tensor& flat) = 0;
-  /// @brief After launch()'s work completed: writes the reduced (mean) gradients into `flat`.
+  /// @brief After launch()'s work completed: writes the reduced (mean) gradients into the bucket.
+  /// @param index the bucket's position, as given to launch()
+  /// @param flat the bucket, as given to launch()
   virtual void finish(std::size_t index, const torch::Tensor& flat) = 0;
 };
 
