@@ -186,7 +186,7 @@ class ProcessGroup {
     ::c10d::AllgatherOptions options;
     options.timeout = timeout_;
     wait(native_checked()->allgather(outputs, inputs, options), "all_gather_into");
-    if (!gathered.is_same(output) && gathered.data_ptr() != output.data_ptr()) output.copy_(gathered.view_as(output));
+    if (gathered.data_ptr() != output.data_ptr()) output.copy_(gathered.view_as(output));  // it was staged
   }
 
   /// Blocks until every rank has reached the barrier.

@@ -27,6 +27,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -82,11 +83,13 @@ inline constexpr const char* kPlainErrorName = "trainloop::Error";
 /// The table's entry named `type`, or null. A libtorch class the table does not list
 /// ("c10::DistBackendError" of a newer libtorch) is taken as c10::Error.
 inline const RelayedException* find_relayed(const std::string& type) {
+  const bool libtorch_class = type.rfind("c10::", 0) == 0;
+  const RelayedException* any_libtorch_error = nullptr;
   for (const auto& entry : relayed_exceptions()) {
     if (type == entry.name) return &entry;
+    if (std::string_view(entry.name) == "c10::Error") any_libtorch_error = &entry;
   }
-  if (type.rfind("c10::", 0) == 0) return &relayed_exceptions()[5];
-  return nullptr;
+  return libtorch_class ? any_libtorch_error : nullptr;
 }
 
 /// The class name by which `error` travels (the table's, "trainloop::RankFailedError", or

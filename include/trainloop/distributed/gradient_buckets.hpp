@@ -1,0 +1,135 @@
+#pragma once
+/// @file
+/// @brief The state GradientReducer shares with its autograd hooks: the flat buckets, which slot
+/// of which bucket each parameter's gradient fills, and the in-order launch of full buckets
+/// (gradient_reducer.hpp explains the scheme).
+
+#include <trainloop/detail/torch_compat.hpp>
+#include <trainloop/distributed/gradient_comm_hook.hpp>
+#include <trainloop/distributed/process_group.hpp>
+#include <trainloop/error.hpp>
+
+#include <torch/torch.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace trainloop::distributed {
+
+namespace detail {
+
+/// Everything the hooks touch; shared between the reducer and its hooks, guarded by `mutex`.
+struct ReducerState {
+  struct Slot {
+    std::size_t bucket = 0;
+    std::int64_t offset = 0;
+    std::int64_t numel = 0;
+  };
+  struct Bucket {
+    std::vector<std::size_t> parameters;  // indices into `parameters`, in slot order
+    torch::Tensor flat;
+    std::size_t pending = 0;  // slots not yet filled this step
+    WorkHandle work;
+  };
+
+  std::mutex mutex;
+  bool alive = true;
+  bool sync = true;
+  bool overlap = true;
+  ProcessGroup group;
+  double scale = 1.0;  // 1 / world_size
+  std::shared_ptr<GradientCommHook> hook;  // null: all-reduce sum of each bucket
+  std::vector<torch::Tensor> parameters;
+  std::vector<Slot> slots;
+  std::vector<Bucket> buckets;
+  std::vector<char> filled;  // per parameter, this step
+  std::size_t next_to_launch = 0;
+  std::vector<std::size_t> launch_order;       // this step
+  std::size_t launched_from_hooks = 0;         // this step
+  std::vector<std::size_t> last_launch_order;  // previous finalized step
+  std::size_t last_launched_from_hooks = 0;
+  std::int64_t allreduce_count = 0;
+
+  /// Called by a hook once parameter `index`'s grad has been accumulated.
+  void on_gradient_ready(std::size_t index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!alive || !sync || !overlap) return;
+    TRAINLOOP_CHECK(!filled[index], "the gradient of parameter #", index,
+                    " became ready twice in one step; expected one backward per finalize() "
+                    "(use no_sync() to accumulate over several backward passes)");
+    fill_slot(index);
+    launch_ready_buckets(/*from_hook=*/true);
+  }
+
+  /// Copies param.grad (zeros when undefined) into its slot, scaled by 1/world. Caller holds the lock.
+  void fill_slot(std::size_t index) {
+    torch::NoGradGuard no_grad;
+    const Slot& slot = slots[index];
+    torch::Tensor view = buckets[slot.bucket].flat.narrow(0, slot.offset, slot.numel);
+    const torch::Tensor& grad = parameters[index].grad();
+    if (grad.defined()) {
+      TRAINLOOP_CHECK(!grad.is_sparse(), "parameter #", index, " has a sparse gradient; expected dense gradients");
+      view.copy_(grad.reshape({-1}));
+      view.mul_(scale);
+    } else {
+      view.zero_();
+    }
+    filled[index] = 1;
+    --buckets[slot.bucket].pending;
+  }
+
+  /// Launches every full bucket that is next in bucket order. Caller holds the lock.
+  void launch_ready_buckets(bool from_hook) {
+    while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
+      Bucket& bucket = buckets[next_to_launch];
+      bucket.work = hook ? hook->launch(group, next_to_launch, bucket.flat) : group.all_reduce_sum_async(bucket.flat);
+      launch_order.push_back(next_to_launch);
+      launched_from_hooks += from_hook ? 1 : 0;
+      ++allreduce_count;
+      ++next_to_launch;
+    }
+  }
+
+  /// Forgets this step's progress. Caller holds the lock.
+  void reset_step() {
+    std::fill(filled.begin(), filled.end(), 0);
+    for (Bucket& bucket : buckets) {
+      bucket.pending = bucket.parameters.size();
+      bucket.work.reset();
+    }
+    next_to_launch = 0;
+    last_launch_order = std::move(launch_order);
+    launch_order.clear();
+    last_launched_from_hooks = launched_from_hooks;
+    launched_from_hooks = 0;
+  }
+
+  bool step_in_progress() const { return std::find(filled.begin(), filled.end(), 1) != filled.end(); }
+};
+
+/// The post-hook attached to one parameter's gradient accumulator.
+class GradientReadyHook final : public ::trainloop::detail::AutogradPostHook {
+ public:
+  GradientReadyHook(std::weak_ptr<ReducerState> state, std::size_t index) : state_(std::move(state)), index_(index) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto state = state_.lock()) state->on_gradient_ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ReducerState> state_;
+  std::size_t index_;
+};
+
+}  // namespace detail
+
+}  // namespace trainloop::distributed
