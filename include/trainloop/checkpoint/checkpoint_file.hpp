@@ -7,7 +7,8 @@
 /// - the model's parameters and buffers at the top, exactly as `torch::save(model, path)` writes
 ///   them, so a program without trainloop loads the weights with `torch::load(model, path)`;
 /// - `__trainloop__/`: `format_version`, `trainloop_version`, `mode` and `world_size` of the run
-///   that wrote it, `batch_size`; `optimizer/` (libtorch's format, param-group options included);
+///   that wrote it, `batch_size`; `optimizer/` (libtorch's format, param-group options included, or a
+///   sharded mode's own layout: engine/sharded_state.hpp);
 ///   `progress/` (epochs, global step, position inside the epoch, the History, the sampler seed,
 ///   the partial epoch's metric sums of every rank); `callbacks/<key>/` (each callback's
 ///   save_state()); `rng/rank<r>` (every rank's CPU and CUDA generator states).
@@ -18,7 +19,6 @@
 #include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/history_io.hpp>
-#include <trainloop/optim/optimizer_state.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/version.hpp>
@@ -86,11 +86,13 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
   if (p.grad_scaler_state.defined()) archive.write("grad_scaler", p.grad_scaler_state);
 }
 
-/// Writes a checkpoint to `path` atomically. `rng_per_rank[r]` is rank r's capture_rng_state().
+/// Writes a checkpoint to `path` atomically. `optimizer` is the optimizer's state as the engine
+/// saved it (libtorch's format for every built-in mode; engine/sharded_state.hpp);
+/// `rng_per_rank[r]` is rank r's capture_rng_state().
 /// @throws trainloop::CheckpointError naming `path` and the system's reason when it cannot be
 ///         written (disk full, read-only); no partial file is left and an earlier one is unchanged.
 inline void write_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
-                             const torch::optim::Optimizer& optimizer, const TrainingProgress& progress,
+                             torch::serialize::OutputArchive& optimizer, const TrainingProgress& progress,
                              const KeyedStates& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
                              const CheckpointHeader& header) {
   torch::serialize::OutputArchive archive;
@@ -101,9 +103,7 @@ inline void write_checkpoint(const std::filesystem::path& path, const torch::nn:
   write_text(ours, "mode", header.mode);
   write_int(ours, "world_size", header.world_size);
   write_int(ours, "batch_size", header.batch_size);
-  torch::serialize::OutputArchive optimizer_archive;
-  save_optimizer_state(optimizer, optimizer_archive);
-  ours.write("optimizer", optimizer_archive);
+  ours.write("optimizer", optimizer);
   torch::serialize::OutputArchive progress_archive;
   write_progress(progress_archive, progress);
   ours.write("progress", progress_archive);

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -99,9 +100,14 @@ class CheckpointFile {
   /// @throws trainloop::CheckpointError naming the group, parameter or state entry that differs.
   void check_optimizer(const torch::optim::Optimizer& optimizer) {
     torch::serialize::InputArchive saved, groups, states;
-    if (!ours_.try_read("optimizer", saved) || !saved.try_read("param_groups", groups)) {
+    if (!ours_.try_read("optimizer", saved)) {
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " lacks the optimizer state; expected a ",
                                    "complete trainloop checkpoint"));
+    }
+    if (!saved.try_read("param_groups", groups)) {  // a sharded mode's own layout (engine/sharded_state.hpp)
+      throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " holds the optimizer state in the layout ",
+                                   "of gpu mode '", header_.mode, "', not libtorch's; expected this loop's mode to be '",
+                                   header_.mode, "' (resume with the mode that wrote it)"));
     }
     torch::Tensor count;
     if (!groups.try_read("param_groups/size", count)) {
@@ -154,12 +160,18 @@ class CheckpointFile {
     }
   }
 
-  /// Loads the optimizer's state, param-group options included.
-  void load_optimizer(torch::optim::Optimizer& optimizer) {
+  /// Loads the optimizer's state, param-group options included; with `load`, the engine's own
+  /// loader of the optimizer archive (a sharded mode's layout, engine/sharded_state.hpp).
+  void load_optimizer(torch::optim::Optimizer& optimizer,
+                      const std::function<void(torch::optim::Optimizer&, torch::serialize::InputArchive&)>& load = {}) {
     torch::serialize::InputArchive optimizer_archive;
     ours_.read("optimizer", optimizer_archive);
     try {
-      load_optimizer_state(optimizer, optimizer_archive);
+      if (load) {
+        load(optimizer, optimizer_archive);
+      } else {
+        load_optimizer_state(optimizer, optimizer_archive);
+      }
     } catch (const c10::Error& error) {
       std::throw_with_nested(CheckpointError(concat("trainloop: the optimizer state in checkpoint ", path_.string(),
                                                     " does not fit this optimizer (", first_line(error),

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -90,15 +91,18 @@ class StateUndo {
 
 /// Loads `file` into `module`, `optimizer` and `callbacks`, and, when `rng_rank` is given, that
 /// rank's random streams into this process; returns the progress the checkpoint recorded. All or
-/// nothing (see the file comment).
+/// nothing (see the file comment). `load_optimizer`, when given, is the engine's loader of the
+/// optimizer archive (a sharded mode's layout, engine/sharded_state.hpp): it checks what it reads
+/// itself, and a failure still puts everything back.
 /// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
-inline TrainingProgress restore_checkpoint(CheckpointFile& file, torch::nn::Module& module,
-                                           torch::optim::Optimizer& optimizer, const KeyedStates& callbacks,
-                                           std::optional<int64_t> rng_rank) {
+inline TrainingProgress restore_checkpoint(
+    CheckpointFile& file, torch::nn::Module& module, torch::optim::Optimizer& optimizer, const KeyedStates& callbacks,
+    std::optional<int64_t> rng_rank,
+    const std::function<void(torch::optim::Optimizer&, torch::serialize::InputArchive&)>& load_optimizer = {}) {
   // 1. Read and check, changing nothing.
   const auto model_copies = file.checked_model_tensors(module);
   TrainingProgress progress = file.progress();
-  file.check_optimizer(optimizer);
+  if (!load_optimizer) file.check_optimizer(optimizer);
   std::optional<torch::Tensor> rng;
   if (rng_rank) {
     rng = file.rng_state(*rng_rank);
@@ -114,7 +118,7 @@ inline TrainingProgress restore_checkpoint(CheckpointFile& file, torch::nn::Modu
   }
   // 2. Apply what may still refuse, with the way back kept.
   StateUndo undo(optimizer, callbacks);
-  file.load_optimizer(optimizer);
+  file.load_optimizer(optimizer, load_optimizer);
   try {
     file.load_states(callbacks);
   } catch (const CheckpointError&) {

@@ -26,6 +26,10 @@
 /// | before_optimizer_step(), after_optimizer_step()  | finish gradient reduction / refresh replicas              |
 /// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
 ///
+/// A mode whose ranks hold parts of the gradients or optimizer state (ZeRO, FSDP) also defines
+/// the optional members of engine/sharded_state.hpp: clip_grad_norm (the norm over every rank),
+/// save_optimizer_state and load_optimizer_state (what each rank's checkpoint part is).
+///
 /// Why prepare() is separate from fit: evaluate() and predict() before the first fit() must see
 /// the model where training would put it (on the GPU, in the process group, replicated), or they
 /// compute something else (each rank's own shard, unreduced; a CPU model fed CUDA batches). Why

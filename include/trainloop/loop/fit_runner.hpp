@@ -24,6 +24,7 @@
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/sharded_state.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
@@ -246,8 +247,11 @@ class FitRunner {
     header.mode = identity_.mode;
     header.world_size = engine.world_size();
     header.batch_size = options_.batch_size();
+    // A collective for a sharded mode (its ranks' shards); otherwise only the writer serializes.
+    torch::serialize::OutputArchive optimizer_state;
+    save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
     write_checkpoint_agreed(path, writes, [&engine](bool flag) { return engine.any_rank(flag); },
-                            [&] { write_checkpoint(path, module_, optimizer_, snapshot, callbacks, rng, header); });
+                            [&] { write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header); });
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
@@ -260,7 +264,8 @@ class FitRunner {
     CheckpointFile file(path, device);
     // All or nothing: a checkpoint that does not fit leaves the loop as it was (checkpoint/restore.hpp).
     progress_ = restore_checkpoint(file, module_, optimizer_, callbacks,
-                                   restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt);
+                                   restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt,
+                                   engine_optimizer_loader(engine));
     // The partial epoch's sums: with the world size that wrote them each rank continues its own;
     // otherwise rank 0 continues their sum (the samples are re-sharded, the totals stay exact).
     if (progress_.partial_totals.defined() && progress_.partial_totals.size(0) != engine.world_size()) {

@@ -4,6 +4,7 @@
 /// unscale and agreed skip, clipping, the callbacks' last look, the step, the scaler's update.
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/engine/sharded_state.hpp>
 #include <trainloop/optim/hyperparameters.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
 
@@ -18,18 +19,6 @@ struct StepHyperparameters {
   double learning_rate = 0.0;
   std::optional<double> momentum;
 };
-
-/// Clips the gradients of `module` to a total norm of `max_norm`. An engine whose gradients are
-/// sharded defines `clip_grad_norm(module, max_norm)` to clip by the norm over every rank;
-/// otherwise every rank holds the whole reduced gradient, so the local norm is the global one.
-template <class Engine, class Module>
-void clip_gradients(Engine& engine, Module& module, double max_norm) {
-  if constexpr (requires { engine.clip_grad_norm(module, max_norm); }) {
-    engine.clip_grad_norm(module, max_norm);
-  } else {
-    torch::nn::utils::clip_grad_norm_(module.parameters(), max_norm);
-  }
-}
 
 /// Runs one optimizer step after the last micro-batch of an accumulation window. With fp16 a
 /// step whose gradients overflowed is skipped on every rank (they agree), and the scaler adapts.
