@@ -210,7 +210,9 @@ Run trainloop_run(const Config& c, const std::string& mode_name, const trainloop
   auto optimizer = make_optimizer(c, net->parameters());
   trainloop::TrainLoop<Model, trainloop::gpu_mode::Any> loop(
       net, train, {}, *optimizer, torch::nn::CrossEntropyLoss(),
-      trainloop::TrainLoopOptions().batch_size(c.batch_size).shuffle(false).seed(c.seed), make_mode(mode_name, c));
+      trainloop::TrainLoopOptions().batch_size(c.batch_size).shuffle(false).seed(c.seed)
+          .memory_format(trainloop::MemoryFormat::contiguous),  // the hand loop's layout
+      make_mode(mode_name, c));
   const bool ddp = mode_name == "ddp";
   auto timer = std::make_shared<StepTimer>(c.device(), ddp ? c.ddp_steps_path() : std::string());
   const auto length = max_steps < 0 ? trainloop::FitLength::epochs(1) : trainloop::FitLength::iterations(max_steps);

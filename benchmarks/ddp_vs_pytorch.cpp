@@ -51,7 +51,8 @@ int main(int argc, char** argv) {
     WideMlp net;
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
     auto mode = tl::gpu_mode::DistributedDataParallel().procs_per_node(ranks).device_type(torch::kCPU);
-    auto options = tl::TrainLoopOptions().batch_size(batch_size).shuffle(false);
+    auto options = tl::TrainLoopOptions().batch_size(batch_size).shuffle(false)
+                       .memory_format(tl::MemoryFormat::contiguous);  // as the Python side trains
     tl::TrainLoop<WideMlp, tl::gpu_mode::DistributedDataParallel> loop(net, train, {}, optimizer,
                                                                        torch::nn::CrossEntropyLoss(), options, mode);
     auto history = loop.fit(epochs);

@@ -146,7 +146,10 @@ PassResult trainloop_pass(const Workload& w, const trainloop::data::AnyDataset<>
   FashionNet net = seeded_model(w);
   torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(w.learning_rate));
   trainloop::TrainLoop<FashionNet> loop(net, train, {}, optimizer, torch::nn::CrossEntropyLoss(),
-                                        trainloop::TrainLoopOptions().batch_size(w.batch_size).shuffle(false).seed(w.seed),
+                                        trainloop::TrainLoopOptions().batch_size(w.batch_size).shuffle(false).seed(w.seed)
+                                            // the hand-written loop's layout: the same kernels, so the
+                                            // difference is the loop's own work (bench_common.hpp)
+                                            .memory_format(trainloop::MemoryFormat::contiguous),
                                         trainloop::gpu_mode::Single(w.device));
   const auto length = max_batches < 0 ? trainloop::FitLength::epochs(1) : trainloop::FitLength::iterations(max_batches);
 

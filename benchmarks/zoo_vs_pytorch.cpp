@@ -48,7 +48,9 @@ int main(int argc, char** argv) {
     tl::gpu_mode::Any mode = tl::mode_from_flags(tl::ModeFlags{mode_name, "cpu", ranks, 2});
     tl::TrainLoop<tl::models::ImageClassifier, tl::gpu_mode::Any> loop(
         net, tl::data::TensorDataset(x, y, 10), {}, optimizer, torch::nn::CrossEntropyLoss(),
-        tl::TrainLoopOptions().batch_size(batch_size).shuffle(false), mode);
+        tl::TrainLoopOptions().batch_size(batch_size).shuffle(false)
+            .memory_format(tl::MemoryFormat::contiguous),  // as the Python side trains
+        mode);
     auto history = loop.fit(epochs);
     for (const auto& e : history.epochs)
       std::printf("trainloop epoch %lld: steps %lld samples %lld seconds %.3f samples/s %.2f loss %.4f\n",

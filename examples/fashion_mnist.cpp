@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   std::string schedule = "constant";
   double max_lr = 0.0;
   std::string precision = "fp32";
+  std::string memory_format = "auto";
   int64_t early_stop_patience = 0;
   bool lr_find = false;
   std::string progress = "auto";
@@ -68,6 +69,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-lr", max_lr, "peak learning rate of one-cycle / flat-cos (default: --lr)")->check(CLI::NonNegativeNumber);
   app.add_option("--precision", precision, "fp32, bf16 (autocast, CPU or CUDA) or fp16 (autocast + loss scaling, CUDA)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_option("--memory-format", memory_format,
+                 "auto (channels-last for convolutional models), contiguous or channels-last")
+      ->check(CLI::IsMember({"auto", "contiguous", "channels-last"}));
   app.add_option("--early-stop-patience", early_stop_patience,
                  "stop when test accuracy has not improved for N epochs (0: never)")->check(CLI::NonNegativeNumber);
   app.add_flag("--lr-find", lr_find, "run the learning-rate finder, print the suggested learning rate and exit");
@@ -103,6 +107,7 @@ int main(int argc, char** argv) {
             .num_workers(workers)
             .seed(seed)
             .precision(trainloop::parse_precision(precision))
+            .memory_format(trainloop::parse_memory_format(memory_format))
             .metrics({std::make_shared<trainloop::Accuracy>()}),
         mode);
 

@@ -27,7 +27,7 @@
 namespace {
 
 struct Arguments {
-  std::string data, arch = "xresnet50", pretrained, scripted, export_to, precision = "fp32";
+  std::string data, arch = "xresnet50", pretrained, scripted, export_to, precision = "fp32", memory_format = "auto";
   int64_t size = 128, epochs = 2, batch_size = 64, workers = 2;
   double lr = 1e-3;
   uint64_t seed = 0;
@@ -47,7 +47,8 @@ void train_and_evaluate(Model model, const Arguments& args, const trainloop::dat
   if (classes > 5) metrics.push_back(std::make_shared<TopKAccuracy>(5));
   TrainLoop<Model, gpu_mode::Any> loop(model, train, test, optimizer, torch::nn::CrossEntropyLoss(),
                                        TrainLoopOptions().batch_size(args.batch_size).num_workers(args.workers)
-                                           .seed(args.seed).precision(parse_precision(args.precision)).metrics(metrics),
+                                           .seed(args.seed).precision(parse_precision(args.precision))
+                                           .memory_format(parse_memory_format(args.memory_format)).metrics(metrics),
                                        mode_from_flags(args.mode));
   if (args.epochs > 0) loop.fit(args.epochs, {FlatCos(args.lr), MixUp(0.1), ProgressBar()});
   const EvalResult result = loop.evaluate(test);
@@ -82,6 +83,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", args.lr, "peak learning rate of the flat-cos schedule");
   app.add_option("--workers", args.workers, "loader threads decoding and augmenting images")->check(CLI::NonNegativeNumber);
   app.add_option("--precision", args.precision, "fp32, bf16 (autocast) or fp16 (autocast + loss scaling, CUDA)");
+  app.add_option("--memory-format", args.memory_format, "auto (channels-last for convolutional models), contiguous or channels-last")
+      ->check(CLI::IsMember({"auto", "contiguous", "channels-last"}));
   app.add_option("--seed", args.seed, "seed for weights, shuffling and augmentation");
   app.add_option("--gpu-mode", args.mode.gpu_mode, "single, dp or ddp");
   app.add_option("--device", args.mode.device, "cpu or cuda:N");

@@ -17,6 +17,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"Train a CNN on an image folder with trainloop"};
   std::string data_dir, gpu_mode = "single", device = "cpu", plot_png, tensorboard_dir;
+  std::string precision = "fp32", memory_format = "auto";
   int64_t epochs = 4, batch_size = 64, workers = 2, size = 0, channels = 0;
   uint64_t seed = 0;
   double learning_rate = 1e-3;
@@ -38,6 +39,11 @@ int main(int argc, char** argv) {
   app.add_option("--procs", procs, "ddp: processes on this machine");
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");
   app.add_option("--lr", learning_rate, "Adam learning rate");
+  app.add_option("--precision", precision, "fp32, bf16 (autocast, CPU or CUDA) or fp16 (autocast + loss scaling, CUDA)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_option("--memory-format", memory_format,
+                 "auto (channels-last for convolutional models), contiguous or channels-last")
+      ->check(CLI::IsMember({"auto", "contiguous", "channels-last"}));
   app.add_option("--seed", seed, "seed for weights, shuffling and augmentation");
   app.add_option("--plot", plot_png, "draw the training curves into this PNG (and an SVG)");
   app.add_option("--tensorboard", tensorboard_dir, "write TensorBoard scalars into this directory");
@@ -87,8 +93,13 @@ int main(int argc, char** argv) {
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));
     trainloop::TrainLoop<ImageCnn, trainloop::gpu_mode::Any> loop(
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),
-        trainloop::TrainLoopOptions().batch_size(batch_size).num_workers(workers).seed(seed).metrics(
-            {std::make_shared<trainloop::Accuracy>()}),
+        trainloop::TrainLoopOptions()
+            .batch_size(batch_size)
+            .num_workers(workers)
+            .seed(seed)
+            .precision(trainloop::parse_precision(precision))
+            .memory_format(trainloop::parse_memory_format(memory_format))
+            .metrics({std::make_shared<trainloop::Accuracy>()}),
         mode);
     trainloop::CallbackList callbacks{std::make_shared<trainloop::ProgressBar>()};
     if (!plot_png.empty()) callbacks.push_back(std::make_shared<trainloop::TrainingPlot>(plot_png));

@@ -4,6 +4,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/metrics/metric.hpp>
+#include <trainloop/nn/memory_format.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
 #include <trainloop/precision/precision.hpp>
 
@@ -45,6 +46,9 @@ struct TrainLoopOptions {
   /// Numeric precision of the forward pass: fp32, bf16 autocast (CPU, CUDA) or fp16 autocast with
   /// dynamic loss scaling (CUDA) — precision/precision.hpp.
   TORCH_ARG(Precision, precision) = Precision::fp32;
+  /// Memory format of the model's 4-d tensors and inputs: automatic (channels-last for models with
+  /// a 2-d convolution), contiguous or channels_last — nn/memory_format.hpp.
+  TORCH_ARG(MemoryFormat, memory_format) = MemoryFormat::automatic;
   /// The loss scaler's settings for Precision::fp16.
   TORCH_ARG(GradScalerOptions, grad_scaler) = {};
   /// Record every optimizer step (learning rate, momentum, loss) in History::steps. Reading the

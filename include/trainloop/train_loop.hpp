@@ -15,6 +15,7 @@
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/nn/memory_format.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/callbacks/lr_finder.hpp>
 #include <trainloop/loop/loop_snapshot.hpp>
@@ -257,6 +258,9 @@ class TrainLoop {
     return with_engine([&](auto& mode_engine) -> decltype(auto) {
       cpu::requested_threads().store(options_.num_threads());
       cpu::keep_freed_memory();  // page faults, not compute, dominated CPU epochs without it
+      // Before prepare(): replicas and devices take the model's layout from it.
+      auto& module = handle_.module();
+      nn::to_memory_format(module, nn::uses_channels_last(options_.memory_format(), module));
       mode_engine.prepare();
       return f(mode_engine);
     });

@@ -12,6 +12,7 @@
 #include <trainloop/distributed/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/loop/batch_memory_format.hpp>
 #include <trainloop/loop/optimizer_step.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
@@ -87,6 +88,7 @@ class EpochTrainer {
                                                       static_cast<size_t>(options_.batch_size()),
                                                       static_cast<size_t>(options_.num_workers()), options_.drop_last());
     const int64_t accumulation = options_.grad_accumulation_steps();
+    const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
     const int64_t batches_done = progress_.batches_into_epoch;
     const int64_t batch = options_.batch_size();
     const int64_t remaining_batches =
@@ -124,9 +126,9 @@ class EpochTrainer {
       }
       const int64_t window = std::min(accumulation, batches - window_start);
       const bool last_in_window = index + 1 == window_start + window;
-      auto forward = [this, first_batch, device = engine.device()](Module& replica, const Batch& b) {
+      auto forward = [this, first_batch, channels_last, device = engine.device()](Module& replica, const Batch& b) {
         AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
-        return forward_batch(replica, b, criterion_, first_batch);
+        return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first_batch);
       };
       const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
       new_micro_batch = true;

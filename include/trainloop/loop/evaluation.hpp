@@ -9,6 +9,7 @@
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/loop/batch_memory_format.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/autocast.hpp>
@@ -33,9 +34,10 @@ EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyData
   data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
                                                     static_cast<size_t>(options_.effective_eval_batch_size()),
                                                     static_cast<size_t>(options_.num_workers()), false);
-  auto forward = [&criterion_, &options_, device = engine.device()](Module& replica, const Batch& b) {
+  const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
+  auto forward = [&criterion_, &options_, channels_last, device = engine.device()](Module& replica, const Batch& b) {
     AutocastGuard autocast(options_.precision(), device);  // evaluated in the precision it trains in
-    return forward_batch(replica, b, criterion_, false);
+    return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, false);
   };
   for (auto&& batch : loader) {
     engine.eval_batch(batch, forward, [&](const StepOutput& out) {
@@ -67,14 +69,15 @@ torch::Tensor predict_dataset(Engine& engine, Module& module_, const data::AnyDa
   data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
                                                     static_cast<size_t>(options_.effective_eval_batch_size()),
                                                     static_cast<size_t>(options_.num_workers()), false);
-  auto forward = [&options_, device = engine.device()](Module& replica, const Batch& b) {
+  const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
+  auto forward = [&options_, channels_last, device = engine.device()](Module& replica, const Batch& b) {
     AutocastGuard autocast(options_.precision(), device);
     StepOutput out;
     out.samples = batch_size_of(b);
     if constexpr (HasCustomContract<Module, Batch>) {
       out.output = replica.batch_predictions(b).output;
     } else {
-      out.output = replica.forward(b.data);
+      out.output = replica.forward(nn::input_in_memory_format(b.data, channels_last));
     }
     // Autocast's bf16/fp16 outputs come back as float32, as they would without autocast.
     const auto type = out.output.scalar_type();

@@ -27,6 +27,7 @@
 #include <trainloop/engine/sharded_state.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/nn/memory_format.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
@@ -251,7 +252,11 @@ class FitRunner {
     torch::serialize::OutputArchive optimizer_state;
     save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
     write_checkpoint_agreed(path, writes, [&engine](bool flag) { return engine.any_rank(flag); },
-                            [&] { write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header); });
+                            [&] {
+                              // Written contiguous: any program loads the weights with torch::load.
+                              nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
+                              write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header);
+                            });
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
