@@ -10,6 +10,9 @@
 #include <trainloop/trainloop.hpp>
 
 #include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace tl = trainloop;
@@ -185,4 +188,29 @@ BOOST_AUTO_TEST_CASE(checkpoints_are_written_contiguous_and_resume_in_either_for
   BOOST_TEST(torch::equal(same_format, uninterrupted));  // bit for bit, as every resume
   BOOST_TEST_MESSAGE("max |uninterrupted - resumed contiguous|: " << (other_format - uninterrupted).abs().max().item<double>());
   BOOST_TEST((other_format - uninterrupted).abs().max().item<double>() < 1e-5);
+}
+
+// bf16 on the CPU: the hardware check behind the one warning (precision/native_bf16.hpp).
+BOOST_AUTO_TEST_CASE(bf16_hardware_is_read_from_the_cpu_flags_and_the_onednn_isa_cap) {
+  BOOST_TEST(tl::detail::cpuinfo_has_bf16("processor : 0\nflags : fpu avx512f amx_bf16 amx_tile\n"));
+  BOOST_TEST(tl::detail::cpuinfo_has_bf16("flags\t\t: fpu avx512f avx512_bf16\n"));
+  BOOST_TEST(!tl::detail::cpuinfo_has_bf16("flags : fpu avx2 avx512f avx512bw\n"));  // AVX-512 without BF16
+  BOOST_TEST(!tl::detail::cpuinfo_has_bf16("model name : no flags line\n"));
+  BOOST_TEST(tl::detail::isa_cap_allows_bf16("avx512_core_amx"));
+  BOOST_TEST(tl::detail::isa_cap_allows_bf16("ALL"));
+  BOOST_TEST(!tl::detail::isa_cap_allows_bf16("AVX512_CORE"));
+  BOOST_TEST(!tl::detail::isa_cap_allows_bf16("AVX2"));
+  // This machine: capping oneDNN below bf16 makes it a CPU without native bf16, and fit() says so
+  // once; fp32 or a CUDA device never warns.
+  ::setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE", 1);
+  BOOST_TEST(!tl::cpu_has_native_bf16());
+  BOOST_TEST(!tl::warn_if_bf16_is_emulated(tl::Precision::fp32, torch::kCPU));
+  BOOST_TEST(tl::warn_if_bf16_is_emulated(tl::Precision::bf16, torch::kCPU));
+  BOOST_TEST(!tl::warn_if_bf16_is_emulated(tl::Precision::bf16, torch::kCPU));  // once
+  ::unsetenv("ONEDNN_MAX_CPU_ISA");
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::ostringstream text;
+  text << cpuinfo.rdbuf();
+  BOOST_TEST(tl::cpu_has_native_bf16() == tl::detail::cpuinfo_has_bf16(text.str()));
+  BOOST_TEST_MESSAGE("this CPU runs bf16 natively: " << std::boolalpha << tl::cpu_has_native_bf16());
 }

@@ -31,6 +31,7 @@
 #include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
+#include <trainloop/precision/native_bf16.hpp>
 
 #include <torch/torch.h>
 
@@ -86,6 +87,7 @@ class FitRunner {
     }
     TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
                     "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
+    warn_if_bf16_is_emulated(options_.precision(), engine.device());
     engine.begin_fit(optimizer_);
     // What lives only during this fit (DDP's gradient hooks) goes with it, also on an exception.
     struct EndFit {
