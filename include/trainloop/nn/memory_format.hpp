@@ -103,6 +103,8 @@ inline torch::Tensor input_in_memory_format(const torch::Tensor& input, bool cha
 /// a file any program reads in libtorch's default layout); then channels-last again.
 class ContiguousScope {
  public:
+  /// @param module the model, converted to contiguous now and back to channels-last at the end of the scope
+  /// @param channels_last whether the model trains in channels-last (false: the scope does nothing)
   ContiguousScope(torch::nn::Module& module, bool channels_last) : module_(channels_last ? &module : nullptr) {
     if (module_ != nullptr) to_memory_format(*module_, false);
   }
