@@ -161,7 +161,7 @@ class ProcessGroup {
       try {
         work = native_checked()->reduce_scatter(outputs, inputs, options);
       } catch (const c10::Error&) {
-        native_reduce_scatter_ = false;  // the stub: nothing was sent, every rank falls back alike
+        native_reduce_scatter_ = false;  // Gloo 1.13 refuses reduce_scatter before sending anything, so every rank falls back alike
       }
       if (work) {
         wait(work, "reduce_scatter");
