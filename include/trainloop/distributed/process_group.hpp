@@ -161,7 +161,8 @@ class ProcessGroup {
       try {
         work = native_checked()->reduce_scatter(outputs, inputs, options);
       } catch (const c10::Error&) {
-        native_reduce_scatter_ = false;  // Gloo 1.13 refuses reduce_scatter before sending anything, so every rank falls back alike
+        // Gloo 1.13 refuses reduce_scatter before sending anything, so every rank falls back alike.
+        native_reduce_scatter_ = false;
       }
       if (work) {
         wait(work, "reduce_scatter");
