@@ -25,6 +25,7 @@
 // `valgrind --tool=callgrind --instr-atstart=no` only its timed passes are counted (see README.md).
 
 #include "fashion_net.hpp"
+#include "op_profile.hpp"
 
 #include <trainloop/trainloop.hpp>
 
@@ -241,6 +242,24 @@ void run_one_loop(const std::string& which, const Workload& w, const trainloop::
   }
 }
 
+/// One pass of each loop (or of `only`) under the op profiler: which ops each loop runs, how
+/// often, and how much of its time is spent outside every op.
+void profile_ops(const std::string& only, const Workload& w, const trainloop::data::AnyDataset<>& train,
+                 size_t rows) {
+  const int64_t steps = (w.samples() + w.batch_size - 1) / w.batch_size;
+  for (const std::string which : {"hand", "trainloop"}) {
+    if (!only.empty() && only != which) continue;
+    bench::OpProfile profile;
+    const PassResult r = which == "hand" ? hand_written_pass(w) : trainloop_pass(w, train);
+    profile.stop();
+    std::printf("\n%s loop, %lld steps, %.1f ms per step with the profiler on, loss %.6f:\n", which.c_str(),
+                static_cast<long long>(steps), 1e3 * profile.wall_seconds() / static_cast<double>(steps), r.mean_loss);
+    std::fflush(stdout);
+    profile.print(std::cout, rows, steps);
+    std::cout.flush();
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -253,6 +272,7 @@ int main(int argc, char** argv) {
   std::string data_dir = trainloop::data::FashionMNISTOptions().root().string();
   std::string csv_path;
   std::string only;
+  size_t op_profile_rows = 0;
   double learning_rate = 1e-3;
   uint64_t seed = 0;
   app.add_option("--repetitions", repetitions, "timed passes of each loop, interleaved")->check(CLI::PositiveNumber);
@@ -268,6 +288,9 @@ int main(int argc, char** argv) {
   app.add_option("--csv", csv_path, "also write the per-repetition results to this CSV file");
   app.add_option("--only", only, "run only this loop (for profiling): hand or trainloop")
       ->check(CLI::IsMember({"hand", "trainloop"}));
+  app.add_option("--op-profile", op_profile_rows,
+                 "instead of timing: one pass of each loop under libtorch's op observers, printing this many "
+                 "ops by self time and the time outside every op");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -286,6 +309,10 @@ int main(int argc, char** argv) {
     if (warmup_batches > 0) {
       if (only != "trainloop") hand_written_pass(w, warmup_batches);
       if (only != "hand") trainloop_pass(w, train, warmup_batches);
+    }
+    if (op_profile_rows > 0) {
+      profile_ops(only, w, train, op_profile_rows);
+      return 0;
     }
     if (!only.empty()) {
       run_one_loop(only, w, train, repetitions);

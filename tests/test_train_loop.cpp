@@ -4,6 +4,7 @@
 #include "test_support.hpp"
 
 #include <trainloop/detail/atomic_file.hpp>
+#include <trainloop/detail/history_io.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <iterator>
 #include <sstream>
 #include <sys/stat.h>
+#include <thread>
 #include <unistd.h>
 
 namespace tl = trainloop;
@@ -197,7 +199,7 @@ BOOST_AUTO_TEST_CASE(csv_logger_writes_one_row_per_epoch) {
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   BOOST_REQUIRE_EQUAL(lines.size(), 4u);
-  BOOST_TEST(lines[0] == "epoch,steps,samples,train_loss,train_accuracy,val_loss,val_accuracy,lr,momentum,seconds,samples_per_second");
+  BOOST_TEST(lines[0] == "epoch,steps,samples,train_loss,train_accuracy,val_loss,val_accuracy,lr,momentum,seconds,samples_per_second,data_wait_seconds");
   BOOST_TEST(lines[3].rfind("3,4,40,", 0) == 0);
   // The loss column holds the history's value.
   std::istringstream row(lines[2]);
@@ -233,6 +235,46 @@ BOOST_AUTO_TEST_CASE(progress_bar_prints_one_plain_line_per_epoch) {
   loop.fit(1, {std::make_shared<tl::ProgressBar>(live, true, 0.0)});
   BOOST_TEST(live.str().find("4/4 loss") != std::string::npos);  // redrawn in place with \r
   BOOST_TEST(live.str().find('\r') != std::string::npos);
+}
+
+/// Each example takes `delay` to load, like a slow disk or an expensive decode.
+class SlowDataset : public torch::data::datasets::Dataset<SlowDataset> {
+ public:
+  SlowDataset(tl::data::TensorDataset inner, std::chrono::milliseconds delay) : inner_(std::move(inner)), delay_(delay) {}
+  torch::data::Example<> get(size_t index) override {
+    std::this_thread::sleep_for(delay_);
+    return inner_.get(index);
+  }
+  c10::optional<size_t> size() const override { return inner_.size(); }
+
+ private:
+  tl::data::TensorDataset inner_;
+  std::chrono::milliseconds delay_;
+};
+
+BOOST_AUTO_TEST_CASE(the_epoch_record_says_how_long_training_waited_for_the_loader) {
+  // Loading on the training thread (no workers): every example's 5 ms sleep is time waited. A
+  // sleep never ends early, so 16 x 5 ms is a lower bound whatever the machine's speed.
+  auto net = seeded_net(12);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  const TempDir dir("data_wait");
+  tl::TrainLoop<Net> slow(net, SlowDataset(blobs(16, 1), std::chrono::milliseconds(5)), {}, optimizer,
+                          torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(4).num_workers(0));
+  const auto waited = slow.fit(1, {std::make_shared<tl::CsvLogger>(dir.path / "log.csv")}).last();
+  BOOST_TEST(waited.data_wait_seconds >= 16 * 0.005);
+  BOOST_TEST(waited.data_wait_seconds <= waited.seconds);
+  std::ifstream csv(dir.path / "log.csv");
+  std::string header, row;
+  std::getline(csv, header);
+  std::getline(csv, row);
+  BOOST_TEST(header.substr(header.rfind(',') + 1) == "data_wait_seconds");
+  BOOST_TEST(std::stod(row.substr(row.rfind(',') + 1)) >= 16 * 0.005);
+  // The value survives the text form a spawned rank hands back, and old text without it reads as 0.
+  tl::History history;
+  history.epochs.push_back(waited);
+  const auto round_trip = tl::detail::history_from_text(tl::detail::history_to_text(history));
+  BOOST_TEST(round_trip.last().data_wait_seconds == waited.data_wait_seconds);
+  BOOST_TEST(tl::detail::history_from_text("epoch\t1\tseconds\t2\n").last().data_wait_seconds == 0.0);
 }
 
 /// What `f` prints on std::cout.

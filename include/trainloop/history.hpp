@@ -27,6 +27,9 @@ struct EpochRecord {
   std::optional<EvalResult> validation;   ///< present when a validation set was given
   double seconds = 0.0;                   ///< wall time of the training part of the epoch
   double samples_per_second = 0.0;        ///< samples / seconds, over all ranks
+  /// Of `seconds`, the time the training thread waited for the loader to hand it a batch (on this
+  /// process; under DDP the History is rank 0's): near 0 when the loader keeps up, near `seconds` when it sets the pace.
+  double data_wait_seconds = 0.0;
   double learning_rate = 0.0;             ///< learning rate (first param group) of the epoch's last step
   std::optional<double> momentum;         ///< momentum (SGD) or beta1 (Adam, AdamW) of that step, when the optimizer has one
 };

@@ -18,7 +18,7 @@ namespace trainloop {
 
 /// @brief Writes one CSV row per finished epoch: epoch, steps, samples, train_loss, train
 /// metrics, validation loss and metrics, lr, momentum (when the optimizer has one), seconds,
-/// samples_per_second. With `per_step`, also one row per optimizer step (step, epoch, lr,
+/// samples_per_second, data_wait_seconds. With `per_step`, also one row per optimizer step (step, epoch, lr,
 /// momentum, loss of its last micro-batch on the main process) in `<name>-steps.csv` beside it.
 ///
 /// The file is rewritten atomically after every epoch (a unique temporary file, fsynced, renamed
@@ -74,8 +74,9 @@ class CsvLogger : public Callback {
       names.push_back("momentum");
       values.push_back(detail::fixed(*record.momentum, 6));
     }
-    names.insert(names.end(), {"seconds", "samples_per_second"});
-    values.insert(values.end(), {detail::fixed(record.seconds, 3), detail::fixed(record.samples_per_second, 1)});
+    names.insert(names.end(), {"seconds", "samples_per_second", "data_wait_seconds"});
+    values.insert(values.end(), {detail::fixed(record.seconds, 3), detail::fixed(record.samples_per_second, 1),
+                                 detail::fixed(record.data_wait_seconds, 3)});
     if (header_.empty()) header_ = join(names);
     rows_.push_back(join(values));
     write();

@@ -62,6 +62,9 @@ class ProgressBar : public Callback {
     }
     line << ' ' << detail::fixed(record.samples_per_second, 0) << " samples/s " << detail::fixed(record.seconds, 1)
          << "s eta " << detail::duration(time_left(state));
+    // Named only when the loader, not the model, costs time worth a look (the goal is < 5%).
+    if (record.seconds > 0 && record.data_wait_seconds > 0.01 * record.seconds)
+      line << " (waited for data " << detail::fixed(100.0 * record.data_wait_seconds / record.seconds, 0) << "%)";
     out_ << line.str() << (interactive_ ? "\x1b[K\n" : "\n") << std::flush;
   }
 

@@ -10,7 +10,8 @@
 ///
 /// Tags: per step (every `every_n_steps`) `train/loss_step` and `train/lr` (one per param group:
 /// `train/lr`, `train/lr_group1`, ...) and `train/momentum` (SGD momentum or Adam beta1, if any); per epoch `train/loss`, `train/<metric>`, `val/loss`,
-/// `val/<metric>`, `train/samples_per_second`; the step axis is the global optimizer step.
+/// `val/<metric>`, `train/samples_per_second`, `train/data_wait_fraction` (of the epoch's training time spent waiting
+/// for the loader); the step axis is the global optimizer step.
 ///
 /// The format (hand-written: no Debian package writes it, and it is small): a file
 /// `events.out.tfevents.<seconds>.<host>` of records, each `uint64 length, uint32 masked CRC32C of
@@ -210,6 +211,7 @@ class TensorBoardLogger : public Callback {
       for (const auto& [name, value] : record.validation->metrics) writer_->scalar("val/" + name, value, step);
     }
     writer_->scalar("train/samples_per_second", record.samples_per_second, step);
+    if (record.seconds > 0) writer_->scalar("train/data_wait_fraction", record.data_wait_seconds / record.seconds, step);
     writer_->scalar("epoch", static_cast<double>(record.epoch), step);
     writer_->flush();
   }

@@ -70,6 +70,7 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
   write_int(archive, "batches_into_epoch", p.batches_into_epoch);
   write_int(archive, "steps_into_epoch", p.steps_into_epoch);
   write_double(archive, "seconds_into_epoch", p.seconds_into_epoch);
+  write_double(archive, "data_wait_into_epoch", p.data_wait_into_epoch);
   if (p.partial_totals.defined()) archive.write("partial_totals", p.partial_totals);
   if (p.partial_record) {
     History partial;

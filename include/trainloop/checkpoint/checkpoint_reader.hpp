@@ -192,6 +192,8 @@ class CheckpointFile {
     p.batches_into_epoch = read_int(a, "batches_into_epoch");
     p.steps_into_epoch = read_int(a, "steps_into_epoch");
     p.seconds_into_epoch = read_double(a, "seconds_into_epoch");
+    c10::IValue data_wait;  // absent in older checkpoints: counted from the resume
+    if (a.try_read("data_wait_into_epoch", data_wait)) p.data_wait_into_epoch = data_wait.toDouble();
     torch::Tensor totals;
     if (a.try_read("partial_totals", totals)) p.partial_totals = totals.to(torch::kCPU);
     c10::IValue partial;

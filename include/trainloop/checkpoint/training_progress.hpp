@@ -23,6 +23,7 @@ struct TrainingProgress {
   int64_t batches_into_epoch = 0;  ///< micro-batches of the partial epoch on each rank
   int64_t steps_into_epoch = 0;    ///< optimizer steps of the partial epoch
   double seconds_into_epoch = 0.0;   ///< training seconds of the partial epoch so far
+  double data_wait_into_epoch = 0.0;  ///< of those, seconds spent waiting for the loader
   /// Metric sums of the partial epoch, one row per rank that trained it ([ranks, width] float64,
   /// CPU), so the epoch's record equals an uninterrupted run's. Undefined at a boundary.
   torch::Tensor partial_totals;

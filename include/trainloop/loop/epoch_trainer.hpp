@@ -56,6 +56,9 @@ class EpochTrainer {
                    const Stopwatch& fit_clock, int64_t end_step, History& visible) {
     Stopwatch epoch_clock;
     const double seconds_before = progress_.seconds_into_epoch;
+    // The time this thread waits for the loader: from the end of one batch's work (or the loader's
+    // start) until the next batch is in hand. Summed per batch, two clock reads each.
+    double data_wait = progress_.data_wait_into_epoch;
     module_.train();
     MetricAccumulator sums(options_.metrics(), engine.device());
     if (progress_.partial_totals.defined()) {
@@ -118,7 +121,13 @@ class EpochTrainer {
     // The hyper-parameters of the epoch's last step, for its record (the optimizer's now, if none ran).
     double step_lr = learning_rate_of(optimizer_);
     std::optional<double> step_momentum = momentum_of(optimizer_);
+    Stopwatch waiting;
     for (auto&& loaded_batch : loader) {
+      data_wait += waiting.seconds();
+      struct RestartOnExit {  // every way out of the body (continue, break) ends this batch's work
+        Stopwatch& clock;
+        ~RestartOnExit() { clock = Stopwatch(); }
+      } restart_waiting{waiting};
       const int64_t index = state.batch;
       Batch micro_batch = std::move(loaded_batch);
       if constexpr (is_example_batch_v<Batch>) {
@@ -158,6 +167,7 @@ class EpochTrainer {
       progress_.samples_into_epoch =
           start_position + static_cast<uint64_t>((sums.local_samples() - local_before) * state.world_size);
       progress_.seconds_into_epoch = seconds_before + epoch_clock.seconds();
+      progress_.data_wait_into_epoch = data_wait;
       for (auto& cb : active) cb->on_step_end(state);
       // Every rank agrees whether to stop after this step (one small collective per step).
       if (engine.any_rank(state.stop_requested)) {
@@ -182,6 +192,7 @@ class EpochTrainer {
     record.train_loss = values.loss;
     record.train_metrics = values.metrics;
     record.seconds = seconds_before + epoch_clock.seconds();
+    record.data_wait_seconds = data_wait;
     record.samples_per_second = record.seconds > 0 ? static_cast<double>(record.samples) / record.seconds : 0.0;
     record.learning_rate = step_lr;
     record.momentum = step_momentum;
@@ -194,6 +205,7 @@ class EpochTrainer {
       progress_.batches_into_epoch = 0;
       progress_.steps_into_epoch = 0;
       progress_.seconds_into_epoch = 0.0;
+      progress_.data_wait_into_epoch = 0.0;
       progress_.partial_totals = torch::Tensor();
       progress_.partial_record.reset();
     } else {
