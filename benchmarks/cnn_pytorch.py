@@ -43,13 +43,14 @@ def load_subset(samples, seed=0):
     return x[pick].contiguous(), torch.from_numpy(labels.astype(np.int64))[pick].contiguous()
 
 
-def one_pass(model, optimizer, x, y, batch_size):
+def one_pass(model, optimizer, x, y, batch_size, bf16=False):
     loss_sum = torch.zeros((), dtype=torch.float64)
     start = time.perf_counter()
     for first in range(0, len(y), batch_size):
         xb, yb = x[first:first + batch_size], y[first:first + batch_size]
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(xb), yb)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = nn.functional.cross_entropy(model(xb), yb)
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach() * len(yb)
@@ -66,13 +67,17 @@ def worker(rank, args, port, results):
     x, y = x[rank::ranks].contiguous(), y[rank::ranks].contiguous()
     torch.manual_seed(0)
     model = FashionNet()
+    if args.memory_format == "channels-last":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    bf16 = args.precision == "bf16"
     if args.mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    one_pass(model, optimizer, x[:args.batch_size * 5], y[:args.batch_size * 5], args.batch_size)  # warm-up
+    one_pass(model, optimizer, x[:args.batch_size * 5], y[:args.batch_size * 5], args.batch_size, bf16)  # warm-up
     if args.mode == "ddp":
         dist.barrier()
-    seconds = one_pass(model, optimizer, x, y, args.batch_size)
+    seconds = one_pass(model, optimizer, x, y, args.batch_size, bf16)
     if args.mode == "ddp":
         dist.barrier()
     if rank == 0:
@@ -85,6 +90,10 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--samples", type=int, default=6400)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: torch.autocast('cpu', torch.bfloat16) around forward and loss")
+    parser.add_argument("--memory-format", choices=["contiguous", "channels-last"], default="contiguous",
+                        help="channels-last: the model and the whole input tensor in torch.channels_last")
     args = parser.parse_args()
     if args.mode == "single":
         import queue
@@ -99,7 +108,7 @@ def main():
         mp.spawn(worker, args=(args, port, results), nprocs=args.ranks, join=True)
     rate, threads = results.get()
     gflops = rate * 6 * FASHION_NET_FORWARD_MACS / 1e9
-    print(f"RESULT pytorch mode {args.mode} samples_per_second {rate:.1f} threads {threads} gflops {gflops:.2f}", flush=True)
+    print(f"RESULT pytorch mode {args.mode} precision {args.precision} memory_format {args.memory_format} samples_per_second {rate:.1f} threads {threads} gflops {gflops:.2f}", flush=True)
 
 
 if __name__ == "__main__":

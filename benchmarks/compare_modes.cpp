@@ -85,6 +85,10 @@ struct Config {
   std::string data_dir = trainloop::data::FashionMNISTOptions().root().string();
   uint64_t seed = 0;
   double peak_gflops = 0.0;  // 0: a large sgemm on the CPU's cores measures it (CPU runs only)
+  // TrainLoop's modes only (the hand loop stays fp32 contiguous: its ratio means something only
+  // at these defaults); to compare with Python in the same settings (cnn_pytorch.py).
+  std::string precision = "fp32";
+  std::string memory_format = "contiguous";
   torch::Device device() const { return torch::Device(device_name); }
   /// Where rank 0 of a DDP run leaves its step times for the launching process.
   std::string ddp_steps_path() const { return csv_path + ".ddp_steps"; }
@@ -211,7 +215,8 @@ Run trainloop_run(const Config& c, const std::string& mode_name, const trainloop
   trainloop::TrainLoop<Model, trainloop::gpu_mode::Any> loop(
       net, train, {}, *optimizer, torch::nn::CrossEntropyLoss(),
       trainloop::TrainLoopOptions().batch_size(c.batch_size).shuffle(false).seed(c.seed)
-          .memory_format(trainloop::MemoryFormat::contiguous),  // the hand loop's layout
+          .precision(trainloop::parse_precision(c.precision))
+          .memory_format(trainloop::parse_memory_format(c.memory_format)),  // contiguous: the hand loop's
       make_mode(mode_name, c));
   const bool ddp = mode_name == "ddp";
   auto timer = std::make_shared<StepTimer>(c.device(), ddp ? c.ddp_steps_path() : std::string());
@@ -422,6 +427,11 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"hand", "single", "dp", "dp-unordered", "ddp"}));
   app.add_option("--data", c.data_dir, "directory with the Fashion-MNIST *-idx?-ubyte.gz files");
+  app.add_option("--precision", c.precision, "TrainLoop's modes: fp32 or bf16 (the hand loop stays fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--memory-format", c.memory_format,
+                 "TrainLoop's modes: contiguous (the hand loop's), channels-last or auto")
+      ->check(CLI::IsMember({"contiguous", "channels-last", "auto"}));
   app.add_option("--seed", c.seed, "seed for the data, the weights and dropout");
   app.add_option("--peak-gflops", c.peak_gflops,
                  "the machine's fp32 peak for the % column; 0 measures a large sgemm on every core");

@@ -4,8 +4,9 @@
 # (arch, mode) pair; prints every figure, then per pair the median and range of each side's
 # samples/s and the median of the per-repetition ratios trainloop/pytorch.
 #
-#   benchmarks/run_zoo_vs_pytorch.sh [build-dir] [reps] [size] [batch] [steps]
+#   benchmarks/run_zoo_vs_pytorch.sh [build-dir] [reps] [size] [batch] [steps] [precision] [memory-format] [archs]
 # e.g. benchmarks/run_zoo_vs_pytorch.sh build 3 64 32 20
+#      benchmarks/run_zoo_vs_pytorch.sh build 3 64 64 10 bf16 channels-last resnet18
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-$here/../build}"
@@ -13,10 +14,14 @@ reps="${2:-3}"
 size="${3:-64}"
 batch="${4:-32}"
 steps="${5:-20}"
+precision="${6:-fp32}"
+memory_format="${7:-contiguous}"
+archs="${8:-resnet18 resnet50}"
 summary=()
-for arch in resnet18 resnet50; do
+for arch in $archs; do
   for mode in single ddp; do
-    common=(--arch "$arch" --size "$size" --batch-size "$batch" --steps "$steps" --epochs 2 --mode "$mode")
+    common=(--arch "$arch" --size "$size" --batch-size "$batch" --steps "$steps" --epochs 2 --mode "$mode"
+            --precision "$precision" --memory-format "$memory_format")
     cxx_all=() py_all=() ratios=()
     for ((rep = 1; rep <= reps; rep++)); do
       cxx=$("$build/benchmarks/zoo_vs_pytorch" "${common[@]}" 2>/dev/null | awk '/^RESULT/ {print $4}')
@@ -32,7 +37,7 @@ for arch in resnet18 resnet50; do
   done
 done
 echo
-echo "size $size, batch $batch (per rank in ddp), $steps steps per epoch, $reps repetitions alternated; images/s median [min-max]"
+echo "$precision, $memory_format, size $size, batch $batch (per rank in ddp), $steps steps per epoch, $reps repetitions alternated; images/s median [min-max]"
 echo "| model | mode | trainloop | PyTorch | ratio (median) |"
 echo "|---|---|---|---|---|"
 printf '%s\n' "${summary[@]}"

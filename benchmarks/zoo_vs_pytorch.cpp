@@ -7,7 +7,8 @@
 //
 // The work, identical in both programs: synthetic in-memory images (N(0,1), 3 x size x size,
 // 10 classes) of ranks * batch * steps samples, no shuffling, SGD(lr 0.01, momentum 0.9),
-// cross-entropy, no validation and no metrics. single: 2 intra-op threads (trainloop's default on
+// cross-entropy, no validation and no metrics; --precision bf16 (autocast) and --memory-format
+// channels-last as the Python side's same flags. single: 2 intra-op threads (trainloop's default on
 // this 2-core machine); ddp: `--ranks` processes of 1 thread each over Gloo. Epoch 1 is a warm-up;
 // the figure is the last epoch's samples/s (all ranks' samples over the epoch's training time).
 //
@@ -36,6 +37,10 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", epochs, "epochs; all but the last are warm-up");
   app.add_option("--mode", mode_name, "single or ddp");
   app.add_option("--ranks", ranks, "ddp: processes");
+  std::string precision = "fp32", memory_format = "contiguous";
+  app.add_option("--precision", precision, "fp32 or bf16 (autocast)")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--memory-format", memory_format, "contiguous or channels-last (as the Python side's flag)")
+      ->check(CLI::IsMember({"contiguous", "channels-last"}));
   CLI11_PARSE(app, argc, argv);
   try {
     const int world = mode_name == "ddp" ? ranks : 1;
@@ -49,7 +54,8 @@ int main(int argc, char** argv) {
     tl::TrainLoop<tl::models::ImageClassifier, tl::gpu_mode::Any> loop(
         net, tl::data::TensorDataset(x, y, 10), {}, optimizer, torch::nn::CrossEntropyLoss(),
         tl::TrainLoopOptions().batch_size(batch_size).shuffle(false)
-            .memory_format(tl::MemoryFormat::contiguous),  // as the Python side trains
+            .precision(tl::parse_precision(precision))
+            .memory_format(tl::parse_memory_format(memory_format)),
         mode);
     auto history = loop.fit(epochs);
     for (const auto& e : history.epochs)

@@ -33,6 +33,9 @@ def train(rank, world, args, results):
     x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.arch)(num_classes=10)
+    if args.memory_format == "channels-last":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     model.train()
@@ -47,7 +50,8 @@ def train(rank, world, args, results):
             xb = x[step * args.batch_size:(step + 1) * args.batch_size]
             yb = y[step * args.batch_size:(step + 1) * args.batch_size]
             optimizer.zero_grad()
-            loss = loss_fn(model(xb), yb)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                loss = loss_fn(model(xb), yb)
             loss.backward()
             optimizer.step()
             loss_sum += loss.item() * xb.shape[0]
@@ -87,6 +91,10 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--mode", default="single", choices=["single", "ddp"])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: torch.autocast('cpu', torch.bfloat16) around forward and loss")
+    parser.add_argument("--memory-format", default="contiguous", choices=["contiguous", "channels-last"],
+                        help="channels-last: the model and the input tensor in torch.channels_last")
     args = parser.parse_args()
     if args.mode == "single":
         torch.set_num_threads(2)

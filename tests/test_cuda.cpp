@@ -110,6 +110,37 @@ BOOST_AUTO_TEST_CASE(single_dp_and_ddp_give_the_same_parameters_on_cuda, *boost:
   BOOST_TEST((ddp - single).abs().max().item<double>() <= 1e-5);
 }
 
+BOOST_AUTO_TEST_CASE(batches_for_cuda_are_pinned_and_pinning_changes_no_result, *boost::unit_test::precondition(cuda_present)) {
+  // The loader assembles pinned batches when asked (in its worker threads too)...
+  auto data = std::make_shared<tl::data::TensorDataset>(make_data(40, 1));
+  for (size_t workers : {size_t{0}, size_t{2}}) {
+    tl::data::BatchLoader<tl::data::TensorDataset> loader(
+        data, std::vector<size_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
+        tl::data::BatchLoaderOptions(4).num_workers(workers).pin_memory(true));
+    int64_t batches = 0;
+    for (auto& batch : loader) {
+      BOOST_TEST(batch.data.is_pinned());
+      BOOST_TEST(batch.target.is_pinned());
+      ++batches;
+    }
+    BOOST_TEST(batches == 3);
+  }
+  // ...and a loop on CUDA (pin_memory on by default) trains exactly as with pageable batches.
+  const torch::Device cuda("cuda:0");
+  auto train = [&](bool pin) {
+    torch::manual_seed(5);
+    Mlp net;
+    net->to(cuda);
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    tl::TrainLoop<Mlp> loop(net, make_data(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                            tl::TrainLoopOptions().batch_size(8).shuffle(false).num_workers(2).pin_memory(pin),
+                            tl::gpu_mode::Single(cuda));
+    loop.fit(tl::FitLength::iterations(5));
+    return flat_params(net->parameters()).cpu();
+  };
+  BOOST_TEST(torch::equal(train(true), train(false)));
+}
+
 BOOST_AUTO_TEST_CASE(evaluation_on_cuda_counts_every_sample_once, *boost::unit_test::precondition(cuda_present)) {
   const torch::Device cuda("cuda:0");
   torch::manual_seed(2);

@@ -49,6 +49,10 @@ struct TrainLoopOptions {
   /// Memory format of the model's 4-d tensors and inputs: automatic (channels-last for models with
   /// a 2-d convolution), contiguous or channels_last — nn/memory_format.hpp.
   TORCH_ARG(MemoryFormat, memory_format) = MemoryFormat::automatic;
+  /// On a CUDA device, assemble batches in pinned host memory (in the loader's threads) and copy
+  /// them with `non_blocking`, so the copy no longer stalls the training thread — PyTorch's
+  /// `DataLoader(pin_memory=True)`. Ignored on the CPU.
+  TORCH_ARG(bool, pin_memory) = true;
   /// The loss scaler's settings for Precision::fp16.
   TORCH_ARG(GradScalerOptions, grad_scaler) = {};
   /// Record every optimizer step (learning rate, momentum, loss) in History::steps. Reading the

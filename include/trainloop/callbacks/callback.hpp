@@ -207,7 +207,10 @@ inline KeyedStates keyed_callbacks(const CallbackList& callbacks) {
   for (const auto& callback : callbacks) {
     std::string key = callback->state_key();
     const int count = ++seen[key];
-    if (count > 1) key += "#" + std::to_string(count);
+    if (count > 1) {
+      key += '#';  // not `"#" + std::to_string(count)`: GCC 12 -O2 warns falsely (-Wstringop-overflow)
+      key += std::to_string(count);
+    }
     keyed.emplace_back(std::move(key), callback.get());
   }
   return keyed;

@@ -6,6 +6,7 @@
 /// The index list comes from a sampler (ShardSampler::indices()), so the loader knows nothing
 /// about ranks or epochs; make one loader per epoch, or reset() it with the next list.
 
+#include <trainloop/data/pinned_batch.hpp>
 #include <trainloop/error.hpp>
 
 #include <ATen/Config.h>
@@ -45,6 +46,11 @@ struct BatchLoaderOptions {
   /// With workers, at most `prefetch_factor * num_workers` batches are loaded ahead of the
   /// consumer (PyTorch's DataLoader default is 2): bounds the memory held by the queue.
   TORCH_ARG(size_t, prefetch_factor) = 2;
+  /// Assemble every batch in page-locked ("pinned") host memory, in the loading thread, so that
+  /// its copy to a CUDA device can run with `non_blocking` instead of stalling the training thread
+  /// (PyTorch's `DataLoader(pin_memory=True)`). Needs a libtorch with CUDA; TrainLoop sets it when
+  /// it trains on a CUDA device (TrainLoopOptions::pin_memory).
+  TORCH_ARG(bool, pin_memory) = false;
 };
 
 }  // namespace trainloop::data
@@ -237,8 +243,10 @@ class BatchLoader {
   batch_type load(size_t batch) {
     const size_t first = batch * options_.batch_size();
     const size_t count = std::min(options_.batch_size(), indices_.size() - first);
-    return detail::BatchCollate<dataset_batch_type>::apply(
+    auto collated = detail::BatchCollate<dataset_batch_type>::apply(
         dataset_->get_batch(c10::ArrayRef<size_t>(indices_.data() + first, count)));
+    if (options_.pin_memory()) return data::pinned_batch(std::move(collated));
+    return collated;
   }
 
   void advance() {

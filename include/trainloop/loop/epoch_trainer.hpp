@@ -13,6 +13,7 @@
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/loop/batch_memory_format.hpp>
+#include <trainloop/loop/loader_for.hpp>
 #include <trainloop/loop/optimizer_step.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
@@ -87,9 +88,8 @@ class EpochTrainer {
     auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed, start_position);
     const int64_t remaining_samples = static_cast<int64_t>(indices.size());
     const int64_t local_before = sums.local_samples();
-    data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(train_), std::move(indices),
-                                                      static_cast<size_t>(options_.batch_size()),
-                                                      static_cast<size_t>(options_.num_workers()), options_.drop_last());
+    auto loader = loader_for(train_, std::move(indices), options_.batch_size(), options_.drop_last(), options_,
+                             engine.device());
     const int64_t accumulation = options_.grad_accumulation_steps();
     const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
     const int64_t batches_done = progress_.batches_into_epoch;

@@ -6,6 +6,7 @@
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
+#include <trainloop/loop/loader_for.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
@@ -31,9 +32,8 @@ EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyData
   module_.eval();
   MetricAccumulator sums(options_.metrics(), engine.device());
   auto indices = shard_indices(dataset.size(), engine.data_shard(), false, options_, 0);
-  data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
-                                                    static_cast<size_t>(options_.effective_eval_batch_size()),
-                                                    static_cast<size_t>(options_.num_workers()), false);
+  auto loader = loader_for(dataset, std::move(indices), options_.effective_eval_batch_size(), false, options_,
+                           engine.device());
   const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
   auto forward = [&criterion_, &options_, channels_last, device = engine.device()](Module& replica, const Batch& b) {
     AutocastGuard autocast(options_.precision(), device);  // evaluated in the precision it trains in
@@ -66,9 +66,8 @@ torch::Tensor predict_dataset(Engine& engine, Module& module_, const data::AnyDa
                   " samples with ", shard.world_size, " ranks; expected at least one sample per rank");
   auto indices = shard_indices(dataset.size(), shard, false, options_, 0);
   const int64_t local_count = static_cast<int64_t>(indices.size());
-  data::BatchLoader<data::AnyDataset<Batch>> loader(std::make_shared<data::AnyDataset<Batch>>(dataset), std::move(indices),
-                                                    static_cast<size_t>(options_.effective_eval_batch_size()),
-                                                    static_cast<size_t>(options_.num_workers()), false);
+  auto loader = loader_for(dataset, std::move(indices), options_.effective_eval_batch_size(), false, options_,
+                           engine.device());
   const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
   auto forward = [&options_, channels_last, device = engine.device()](Module& replica, const Batch& b) {
     AutocastGuard autocast(options_.precision(), device);
