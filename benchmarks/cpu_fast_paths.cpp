@@ -235,9 +235,10 @@ int main(int argc, char** argv) {
       if (only.empty() || c.name == only || c.name == "fp32-contiguous") configs.push_back(c);
     }
 
-    std::printf("cpu_fast_paths: %s, %d usable cores (flags: %s), %d intra-op threads\n",
+    std::printf("cpu_fast_paths: %s, %d usable cores (flags: %s), training with %d intra-op threads "
+                "(trainloop's default)\n",
                 bench::cpu_model_name().c_str(), tl::cpu::usable_cpu_count(), bench::cpu_fast_path_flags().c_str(),
-                torch::get_num_threads());
+                tl::cpu::intra_op_threads_for(1));
     std::printf("native bf16 (oneDNN's AMX/AVX512-BF16 kernels): %s\n", tl::cpu_has_native_bf16() ? "yes" : "no");
     if (profile_rows == 0) {
       const auto peaks = bench::MachinePeaks::measure();
