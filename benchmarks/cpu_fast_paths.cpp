@@ -68,6 +68,7 @@ struct Workload {
   torch::Tensor inputs, targets;
   int64_t batch_size = 64;
   uint64_t seed = 0;
+  bool profile_by_caller = false;  // --op-callers: op profile rows keyed by op and caller
 };
 
 /// Builds `model` from the workload's seed.
@@ -106,7 +107,8 @@ Measurement measure(const Workload& w, const Config& config, size_t profile_rows
                                 .memory_format(config.format));
   loop.fit(1);
   std::unique_ptr<bench::OpProfile> scope;
-  if (profile_rows > 0) scope = std::make_unique<bench::OpProfile>();
+  if (profile_rows > 0) scope = std::make_unique<bench::OpProfile>(w.profile_by_caller ? bench::OpProfile::Key::op_and_caller
+                                                                                   : bench::OpProfile::Key::op);
   const auto history = loop.fit(1);
   if (scope) {
     scope->stop();
@@ -214,12 +216,15 @@ int main(int argc, char** argv) {
                  "instead of timing: one epoch of --profile under libtorch's op observers, this many ops by self time");
   app.add_option("--profile", profile_config, "the configuration --op-profile profiles")
       ->check(CLI::IsMember({"fp32-contiguous", "fp32-channels-last", "bf16-contiguous", "bf16-channels-last"}));
+  bool op_callers = false;
+  app.add_flag("--op-callers", op_callers, "--op-profile: one row per op and the op that called it");
   app.add_option("--seed", seed, "seed for the data subset and the weights");
   CLI11_PARSE(app, argc, argv);
   try {
     Workload w;
     w.model = model;
     w.batch_size = batch_size;
+    w.profile_by_caller = op_callers;
     w.seed = seed;
     if (model == "fashion") {
       auto data = bench::fashion_mnist_subset(data_dir, samples, seed, torch::kCPU);

@@ -12,6 +12,10 @@
 //   profile.stop();               // ...to here (or the end of the scope)
 //   profile.print(std::cout, 20);
 //
+// OpProfile(OpProfile::Key::op_and_caller) keys each row by the op *and* the op that called it
+// ("aten::copy_ < aten::to"; "(top)" when called from outside every op): where the many small copies
+// and fills of a step come from.
+//
 // One OpProfile at a time per process. Cost: two clock reads and a mutex per op; on the
 // Fashion-MNIST CNN (~60 ops per step) that is below the noise of the step time, but the figures
 // are for finding where time goes, not for quoting throughput: take throughput without it.
@@ -43,10 +47,14 @@ struct OpTotals {
 /// Collects per-op call counts and self/total time between its construction and stop().
 class OpProfile {
  public:
-  OpProfile() : started_(Clock::now()) {
+  /// How rows are keyed: by op name, or by op name and the name of the op that called it.
+  enum class Key { op, op_and_caller };
+
+  explicit OpProfile(Key key = Key::op) : started_(Clock::now()) {
     {
       const std::lock_guard<std::mutex> lock(state().mutex);
       state().totals.clear();
+      state().by_caller = key == Key::op_and_caller;
     }
     handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end).needsInputs(false));
   }
@@ -92,21 +100,27 @@ class OpProfile {
     const double wall = wall_seconds_;
     const double per_step = steps > 0 ? 1e3 / static_cast<double>(steps) : 1e3;
     char line[256];
-    std::snprintf(line, sizeof line, "%-40s %8s %12s %8s %12s\n", "op", "calls", "self ms/step", "self %",
+    bool by_caller = false;
+    {
+      const std::lock_guard<std::mutex> lock(state().mutex);
+      by_caller = state().by_caller;
+    }
+    const int width = by_caller ? 72 : 40;
+    std::snprintf(line, sizeof line, "%-*s %8s %12s %8s %12s\n", width, by_caller ? "op < caller" : "op", "calls", "self ms/step", "self %",
                   "total ms/step");
     out << line;
     for (size_t i = 0; i < std::min(rows, all.size()); ++i) {
       const auto& t = all[i];
-      std::snprintf(line, sizeof line, "%-40.40s %8lld %12.3f %7.1f%% %12.3f\n", t.name.c_str(),
+      std::snprintf(line, sizeof line, "%-*.*s %8lld %12.3f %7.1f%% %12.3f\n", width, width, t.name.c_str(),
                     static_cast<long long>(t.calls), t.self_seconds * per_step,
                     wall > 0 ? 100.0 * t.self_seconds / wall : 0.0, t.total_seconds * per_step);
       out << line;
     }
     const double in_ops = seconds_in_ops();
-    std::snprintf(line, sizeof line, "%-40s %8s %12.3f %7.1f%%\n", "(all ops)", "", in_ops * per_step,
+    std::snprintf(line, sizeof line, "%-*s %8s %12.3f %7.1f%%\n", width, "(all ops)", "", in_ops * per_step,
                   wall > 0 ? 100.0 * in_ops / wall : 0.0);
     out << line;
-    std::snprintf(line, sizeof line, "%-40s %8s %12.3f %7.1f%%\n", "(outside every op)", "",
+    std::snprintf(line, sizeof line, "%-*s %8s %12.3f %7.1f%%\n", width, "(outside every op)", "",
                   (wall - in_ops) * per_step, wall > 0 ? 100.0 * (wall - in_ops) / wall : 0.0);
     out << line;
   }
@@ -123,10 +137,12 @@ class OpProfile {
     Clock::time_point start = Clock::now();
     double children_seconds = 0.0;
     Frame* parent = nullptr;
+    const char* name = "";  ///< the op's name (RecordFunction names are static strings)
   };
 
   struct State {
     std::mutex mutex;
+    bool by_caller = false;
     std::map<std::string, OpTotals> totals;
   };
   static State& state() {
@@ -140,8 +156,9 @@ class OpProfile {
     return frame;
   }
 
-  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     auto frame = std::make_unique<Frame>();
+    frame->name = fn.name();
     frame->parent = innermost();
     innermost() = frame.get();
     return frame;
@@ -153,8 +170,10 @@ class OpProfile {
     innermost() = frame->parent;
     if (frame->parent != nullptr) frame->parent->children_seconds += total;
     const std::lock_guard<std::mutex> lock(state().mutex);
-    OpTotals& t = state().totals[fn.name()];
-    if (t.name.empty()) t.name = fn.name();
+    std::string key = fn.name();
+    if (state().by_caller) key += std::string(" < ") + (frame->parent != nullptr ? frame->parent->name : "(top)");
+    OpTotals& t = state().totals[key];
+    if (t.name.empty()) t.name = key;
     t.calls += 1;
     t.self_seconds += std::max(0.0, total - frame->children_seconds);
     t.total_seconds += total;
