@@ -1,13 +1,14 @@
 #pragma once
 // The mode of an example from its command line: --gpu-mode (single | dp | ddp), --device,
-// --procs (ddp processes on this machine) and --replicas (dp on the CPU), through the library's
-// trainloop::mode_from_flags.
+// --procs (ddp processes on this machine), --replicas (dp on the CPU) and --comm-hook (how ddp's
+// gradients travel), through the library's trainloop::mode_from_flags.
 
 #include <trainloop/trainloop.hpp>
 
 #include <string>
 
 /// The run-time mode named `name`, set up for `device`.
-inline trainloop::gpu_mode::Any example_mode(const std::string& name, const torch::Device& device, int procs, int replicas) {
-  return trainloop::mode_from_flags(trainloop::ModeFlags{name, device.str(), procs, replicas});
+inline trainloop::gpu_mode::Any example_mode(const std::string& name, const torch::Device& device, int procs, int replicas,
+                                             const std::string& comm_hook = "none") {
+  return trainloop::mode_from_flags(trainloop::ModeFlags{name, device.str(), procs, replicas, comm_hook});
 }

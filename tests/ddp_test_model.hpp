@@ -51,11 +51,44 @@ inline torch::Tensor flat_params(const std::vector<torch::Tensor>& params) {
   return torch::cat(flat);
 }
 
+/// Saves the model's parameters after every epoch, on the main process only:
+/// `<dir>/params_epoch<E>.pt` (exact uneven batches are checked epoch by epoch).
+struct SaveParamsEachEpoch : trainloop::Callback {
+  explicit SaveParamsEachEpoch(std::string dir) : dir(std::move(dir)) {}
+  bool main_process_only() const override { return true; }
+  void on_epoch_end(trainloop::TrainState& state, const trainloop::EpochRecord& record) override {
+    std::vector<torch::Tensor> params;
+    for (const auto& p : state.model->parameters()) params.push_back(p.detach().clone());
+    torch::save(params, dir + "/params_epoch" + std::to_string(record.epoch) + ".pt");
+  }
+  std::string dir;
+};
+
 /// Parameters saved by ddp_worker, flattened.
 inline torch::Tensor load_params(const std::string& path) {
   std::vector<torch::Tensor> params;
   torch::load(params, path);
   return flat_params(params);
+}
+
+/// ddp_worker's "uneven" scenario: 37 samples (not a multiple of world x 4 for 2 or 3 ranks),
+/// shuffled, SGD with momentum, 3 epochs.
+inline constexpr int64_t kUnevenSamples = 37;
+inline constexpr int64_t kUnevenEpochs = 3;
+
+/// One process with batch world*4 over the "uneven" data (what `world` ranks of batch 4 see
+/// together), its parameters after each epoch, flattened.
+inline std::vector<torch::Tensor> uneven_reference(int world, int64_t accumulation, const std::string& dir) {
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto options =
+      trainloop::TrainLoopOptions().batch_size(4 * world).shuffle(true).seed(3).grad_accumulation_steps(accumulation);
+  trainloop::TrainLoop<Mlp> loop(net, make_data(kUnevenSamples, 1), {}, optimizer, torch::nn::CrossEntropyLoss(), options);
+  loop.fit(kUnevenEpochs, {std::make_shared<SaveParamsEachEpoch>(dir)});
+  std::vector<torch::Tensor> epochs;
+  for (int64_t e = 1; e <= kUnevenEpochs; ++e) epochs.push_back(load_params(dir + "/params_epoch" + std::to_string(e) + ".pt"));
+  return epochs;
 }
 
 /// One process with batch world*4: what `world` ranks of batch 4 see together (ddp_worker's

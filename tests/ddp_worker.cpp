@@ -207,6 +207,13 @@ int main(int argc, char** argv) {
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
     }
+    if (scenario == "uneven") {  // test_distributed: exact uneven batches (ddp_test_model.hpp's uneven_reference)
+      train_size = kUnevenSamples;
+      epochs = kUnevenEpochs;
+      options.shuffle(true).seed(3).grad_accumulation_steps(env_number("TL_TEST_ACCUMULATION", 1));
+      options.exact_uneven_batches(env_number("TL_TEST_EXACT", 1) != 0);
+      callbacks.push_back(std::make_shared<SaveParamsEachEpoch>(out_dir));
+    }
     if (scenario == "stop_on_rank1") callbacks.push_back(std::make_shared<StopOnRank1>());
     if (scenario == "one_cycle") {  // test_recipe: the schedule on every rank
       callbacks.push_back(std::make_shared<tl::OneCycle>(tl::OneCycleOptions(0.1)));

@@ -99,6 +99,38 @@ BOOST_AUTO_TEST_CASE(ddp_with_gradient_accumulation_matches_one_process) {
   }
 }
 
+// N = 37 samples, batch 4 per rank: the last combined batch holds 5 samples on 2 ranks (3 + 2)
+// and 1 on 3 ranks (1 + 0 + 0: two ranks join the reduction without samples).
+BOOST_AUTO_TEST_CASE(ddp_equals_one_process_after_every_epoch_when_the_last_batches_are_uneven) {
+  for (int64_t accumulation : {1, 2}) {
+    for (int world : {2, 3}) {
+      const std::string env = "TL_TEST_ACCUMULATION=" + std::to_string(accumulation);
+      auto run = run_worker("uneven", world, 0, env, "_acc" + std::to_string(accumulation));
+      BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+      const auto reference = uneven_reference(world, accumulation, (run.dir / "tmp").string());
+      for (int64_t e = 1; e <= kUnevenEpochs; ++e) {
+        const auto ddp = load_params((run.dir / ("params_epoch" + std::to_string(e) + ".pt")).string());
+        const double difference = (ddp - reference[static_cast<size_t>(e - 1)]).abs().max().item<double>();
+        BOOST_TEST_MESSAGE("world " << world << " accumulation " << accumulation << " epoch " << e
+                                    << ": max |ddp - single| = " << difference);
+        BOOST_TEST(difference <= 1e-6);
+      }
+      BOOST_TEST(run.result["train_samples"] == kUnevenSamples);  // every sample once, none repeated
+      fs::remove_all(run.dir);
+    }
+  }
+  // The check can fail: PyTorch's way (padded shards, ranks weighted equally) differs from one process.
+  auto padded = run_worker("uneven", 3, 0, "TL_TEST_EXACT=0", "_padded");
+  BOOST_REQUIRE_MESSAGE(padded.exit_code == 0, padded.output);
+  const auto reference = uneven_reference(3, 1, (padded.dir / "tmp").string());
+  const double difference =
+      (load_params((padded.dir / "params_epoch1.pt").string()) - reference[0]).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("padded shards, world 3, epoch 1: max |ddp - single| = " << difference);
+  BOOST_TEST(difference > 1e-4);
+  BOOST_TEST(padded.result["train_samples"] == 39);  // 37 padded to 3 x 13
+  fs::remove_all(padded.dir);
+}
+
 BOOST_AUTO_TEST_CASE(a_second_fit_continues_from_the_first) {
   auto run = run_worker("twofits", 2);
   BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
@@ -124,8 +156,8 @@ BOOST_AUTO_TEST_CASE(validation_counts_every_sample_once) {
       BOOST_TEST(run.result["val_samples"] == n);
       BOOST_TEST(std::abs(run.result["val_loss"] - run.result["local_val_loss"]) <= 1e-6);
       BOOST_TEST(std::abs(run.result["val_accuracy"] - run.result["local_val_accuracy"]) <= 1e-6);
-      // Training shards are padded: every rank runs ceil(n / world) samples.
-      BOOST_TEST(run.result["train_samples"] == std::ceil(n / world) * world);
+      // Exact uneven batches: training shards are not padded, every sample counts once.
+      BOOST_TEST(run.result["train_samples"] == n);
       fs::remove_all(run.dir);
     }
   }

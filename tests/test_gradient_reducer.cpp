@@ -3,9 +3,11 @@
 
 #include "thread_ranks.hpp"
 
+#include <trainloop/distributed/comm_hook_choice.hpp>
 #include <trainloop/distributed/free_port.hpp>
 #include <trainloop/distributed/gradient_reducer.hpp>
 #include <trainloop/distributed/model_sync.hpp>
+#include <trainloop/gpu_mode/mode_flags.hpp>
 
 #include <chrono>
 #include <exception>
@@ -103,6 +105,7 @@ struct RankResult {
   std::size_t bucket_count = 0;
   std::int64_t count_after_micro_steps = -1;
   std::int64_t count_after_sync_step = -1;
+  std::int64_t last_step_bytes = -1;
 };
 
 /// A user's communication hook, defined here with nothing under include/ edited for it: the
@@ -127,7 +130,7 @@ class HalfPrecisionHook : public distributed::GradientCommHook {
 /// One training step (plus `micro_steps` accumulation steps under no_sync) on every rank.
 std::vector<RankResult> run_step(int world, bool reversed_registration, distributed::GradientReducerOptions options,
                                  int micro_steps = 0,
-                                 std::vector<std::shared_ptr<HalfPrecisionHook>>* hooks = nullptr) {
+                                 const std::vector<std::shared_ptr<distributed::GradientCommHook>>* hooks = nullptr) {
   std::vector<RankResult> results(world);
   run_ranks(world, [&](distributed::ProcessGroup& group) {
     const int rank = group.rank();
@@ -153,6 +156,7 @@ std::vector<RankResult> run_step(int world, bool reversed_registration, distribu
     result.reduced = grads_of(model);
     result.launch_order = reducer.last_launch_order();
     result.launched_during_backward = reducer.last_launched_during_backward();
+    result.last_step_bytes = reducer.last_step_bytes_sent();
   });
   return results;
 }
@@ -199,7 +203,8 @@ BOOST_AUTO_TEST_CASE(a_communication_hook_defined_in_the_test_replaces_the_all_r
   const int world = 2;
   std::vector<std::shared_ptr<HalfPrecisionHook>> hooks{std::make_shared<HalfPrecisionHook>(),
                                                         std::make_shared<HalfPrecisionHook>()};
-  auto results = run_step(world, /*reversed_registration=*/false, small_buckets(), 0, &hooks);
+  const std::vector<std::shared_ptr<distributed::GradientCommHook>> as_hooks(hooks.begin(), hooks.end());
+  auto results = run_step(world, /*reversed_registration=*/false, small_buckets(), 0, &as_hooks);
   for (std::size_t p = 0; p < results[0].local.size(); ++p) {
     const torch::Tensor mean = (results[0].local[p] + results[1].local[p]) / 2.0;
     const double scale = std::max(1.0, mean.abs().max().item<double>());
@@ -220,6 +225,57 @@ BOOST_AUTO_TEST_CASE(a_communication_hook_defined_in_the_test_replaces_the_all_r
     any_difference = any_difference || !torch::equal(plain[0].reduced[p], results[0].reduced[p]);
   }
   BOOST_TEST(any_difference);
+}
+
+BOOST_AUTO_TEST_CASE(fp16_and_bf16_compression_send_half_the_bytes_and_every_rank_gets_the_same_mean) {
+  for (int world : {2, 3}) {
+    const auto plain = run_step(world, /*reversed_registration=*/false, small_buckets());
+    // fp32 all-reduce of this model's 3 buckets, ring model: 2(W-1)/W of each bucket's bytes.
+    std::int64_t elements = 0;
+    for (const auto& g : plain[0].local) elements += g.numel();
+    BOOST_TEST_MESSAGE("world " << world << ": fp32 all-reduce sends " << plain[0].last_step_bytes << " bytes per step");
+    BOOST_TEST(plain[0].last_step_bytes >= 2 * 4 * elements * (world - 1) / world - 3);
+    BOOST_TEST(plain[0].last_step_bytes <= 2 * 4 * elements * (world - 1) / world);
+    for (const std::string name : {"fp16", "bf16"}) {
+      BOOST_TEST_CONTEXT("world " << world << ", " << name) {
+        const auto make = distributed::comm_hook_named(name);
+        std::vector<std::shared_ptr<distributed::GradientCommHook>> hooks;
+        for (int r = 0; r < world; ++r) hooks.push_back(make());
+        const auto results = run_step(world, /*reversed_registration=*/false, small_buckets(), 0, &hooks);
+        // fp16 keeps 11 significant bits, bf16 8: the mean within 2^-10 / 2^-7 of its magnitude,
+        // plus the rounding of each rank's share.
+        const double tolerance = name == "fp16" ? 1.0 / 512 : 1.0 / 64;
+        for (std::size_t p = 0; p < results[0].local.size(); ++p) {
+          torch::Tensor mean = torch::zeros_like(results[0].local[p]);
+          for (const auto& r : results) mean += r.local[p];
+          mean /= static_cast<double>(world);
+          const double scale = std::max(1e-3, mean.abs().max().item<double>());
+          BOOST_TEST((results[0].reduced[p] - mean).abs().max().item<double>() <= scale * tolerance);
+          for (const auto& r : results) BOOST_TEST(torch::equal(r.reduced[p], results[0].reduced[p]));
+        }
+        BOOST_TEST_MESSAGE("world " << world << ", " << name << ": " << results[0].last_step_bytes << " bytes per step");
+        if (name == "fp16" || world == 2) {
+          // Half of fp32's (up to the ring formula's rounding, one byte per bucket). bf16 over Gloo
+          // travels by all-gather: (W-1) x its 16-bit bucket, the same as fp16's all-reduce for 2 ranks.
+          BOOST_TEST(std::abs(2 * results[0].last_step_bytes - plain[0].last_step_bytes) <= 2 * 3);
+        } else {
+          BOOST_TEST(results[0].last_step_bytes == 2 * elements * (world - 1));
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(an_unknown_comm_hook_name_is_a_clear_error) {
+  BOOST_CHECK_EXCEPTION(distributed::comm_hook_named("fp8"), trainloop::ConfigurationError, [](const auto& e) {
+    return std::string(e.what()).find("comm hook is 'fp8'; expected none, fp16 or bf16") != std::string::npos;
+  });
+  BOOST_CHECK_EXCEPTION(trainloop::mode_from_flags(trainloop::ModeFlags{"single", "cpu", 2, 2, "fp16"}),
+                        trainloop::ConfigurationError, [](const auto& e) {
+                          return std::string(e.what()).find("comm hook is 'fp16' with gpu mode 'single'; expected gpu "
+                                                            "mode ddp") != std::string::npos;
+                        });
+  BOOST_TEST(!distributed::comm_hook_named("none"));
 }
 
 BOOST_AUTO_TEST_CASE(buckets_launch_in_bucket_order_even_when_gradients_arrive_out_of_order) {

@@ -62,6 +62,15 @@ struct TrainLoopOptions {
   /// global batch of every rank (nn/sync_batch_norm.hpp). Off: each rank uses its own batch's, as
   /// torch::nn::BatchNorm does (Lightning's default; fastai's DistributedTrainer turns it on).
   TORCH_ARG(bool, sync_batchnorm) = false;
+  /// DDP: when the ranks' last batches differ in size (the epoch is not a multiple of world size x
+  /// batch size), weigh each rank's gradient by its samples, so that every step equals one process
+  /// training on the ranks' combined batch; training shards are then not padded with repeated
+  /// samples, and a rank without samples in the last batch takes part with none
+  /// (loop/epoch_batch_plan.hpp). false: PyTorch's DistributedSampler way — shards padded by
+  /// repeating samples, ranks weighted equally. Kept padded with sync_batchnorm (its forward is a
+  /// collective every rank must join). Costs no communication; with equal batches the results are
+  /// bit for bit the same either way.
+  TORCH_ARG(bool, exact_uneven_batches) = true;
   /// Show a ProgressBar in every fit() that has none among its callbacks: by default (nullopt)
   /// when standard output is a terminal; `true` always (one line per epoch into a file or pipe),
   /// `false` never.

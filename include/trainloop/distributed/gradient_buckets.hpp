@@ -56,6 +56,9 @@ struct ReducerState {
   std::vector<std::size_t> last_launch_order;  // previous finalized step
   std::size_t last_launched_from_hooks = 0;
   std::int64_t allreduce_count = 0;
+  std::int64_t bytes_sent = 0;            // since construction
+  std::int64_t step_bytes_sent = 0;       // this step
+  std::int64_t last_step_bytes_sent = 0;  // previous finalized step
 
   /// Called by a hook once parameter `index`'s grad has been accumulated.
   void on_gradient_ready(std::size_t index) {
@@ -90,6 +93,12 @@ struct ReducerState {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
       Bucket& bucket = buckets[next_to_launch];
       bucket.work = hook ? hook->launch(group, next_to_launch, bucket.flat) : group.all_reduce_sum_async(bucket.flat);
+      const std::int64_t sent =
+          hook ? hook->bytes_sent(next_to_launch, bucket.flat, group.world_size())
+               : ring_all_reduce_bytes(bucket.flat.numel() * static_cast<std::int64_t>(bucket.flat.element_size()),
+                                       group.world_size());
+      bytes_sent += sent;
+      step_bytes_sent += sent;
       launch_order.push_back(next_to_launch);
       launched_from_hooks += from_hook ? 1 : 0;
       ++allreduce_count;
@@ -109,6 +118,8 @@ struct ReducerState {
     launch_order.clear();
     last_launched_from_hooks = launched_from_hooks;
     launched_from_hooks = 0;
+    last_step_bytes_sent = step_bytes_sent;
+    step_bytes_sent = 0;
   }
 
   bool step_in_progress() const { return std::find(filled.begin(), filled.end(), 1) != filled.end(); }

@@ -10,14 +10,31 @@
 /// every parameter's grad. Hooks run in bucket order, identically on every rank (from autograd
 /// hooks during backward, under the reducer's lock, or from finalize()), so their collectives
 /// match across ranks.
+///
+/// The reducer counts the bytes each rank puts on the wire per step (GradientReducer::
+/// last_step_bytes_sent()): a hook says what its launch sends through bytes_sent(), in the ring
+/// model every backend uses for large tensors (ring_all_reduce_bytes, ring_all_gather_bytes).
 
 #include <trainloop/distributed/process_group.hpp>
 
 #include <torch/torch.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace trainloop::distributed {
+
+/// Bytes one rank sends to all-reduce `bytes` over `world_size` ranks with a ring (reduce-scatter
+/// then all-gather: 2(W-1)/W of the tensor), the algorithm of Gloo's and NCCL's large all-reduces.
+inline std::int64_t ring_all_reduce_bytes(std::int64_t bytes, int world_size) {
+  return world_size <= 1 ? 0 : 2 * bytes * (world_size - 1) / world_size;
+}
+
+/// Bytes one rank sends to all-gather its `bytes` to `world_size` ranks with a ring ((W-1) times
+/// its part: every part passes every rank once).
+inline std::int64_t ring_all_gather_bytes(std::int64_t bytes, int world_size) {
+  return world_size <= 1 ? 0 : bytes * (world_size - 1);
+}
 
 /// @brief Communicates one gradient bucket across the ranks (see the file comment).
 class GradientCommHook {
@@ -33,6 +50,11 @@ class GradientCommHook {
   /// @param index the bucket's position, as given to launch()
   /// @param flat the bucket, as given to launch()
   virtual void finish(std::size_t index, const torch::Tensor& flat) = 0;
+  /// Bytes this rank sent for the last launch() of bucket `index` (`flat` as given to it). The
+  /// default is an all-reduce of `flat` itself; a hook that sends something else says what.
+  virtual std::int64_t bytes_sent(std::size_t /*index*/, const torch::Tensor& flat, int world_size) const {
+    return ring_all_reduce_bytes(flat.numel() * static_cast<std::int64_t>(flat.element_size()), world_size);
+  }
 };
 
 }  // namespace trainloop::distributed

@@ -189,6 +189,19 @@ class GradientReducer {
     return state_->allreduce_count;
   }
 
+  /// Bytes this rank sent for gradients since construction (ring model, gradient_comm_hook.hpp):
+  /// 2(W-1)/W of every bucket all-reduced in its dtype, or what the comm hook reports.
+  std::int64_t bytes_sent() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->bytes_sent;
+  }
+
+  /// Bytes this rank sent for the gradients of the last finalized synced step (as bytes_sent()).
+  std::int64_t last_step_bytes_sent() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->last_step_bytes_sent;
+  }
+
   /// Number of buckets.
   std::size_t bucket_count() const { return state_->buckets.size(); }
 

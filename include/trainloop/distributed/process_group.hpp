@@ -190,6 +190,23 @@ class ProcessGroup {
     if (gathered.data_ptr() != output.data_ptr()) output.copy_(gathered.view_as(output));  // it was staged
   }
 
+  /// Starts all_gather_into() and returns at once; pass the handle to wait() before reading
+  /// `output`. Both tensors must be contiguous and on communication_device() (nothing can be
+  /// staged for them), and `output` must stay alive until then.
+  WorkHandle all_gather_into_async(const torch::Tensor& input, const torch::Tensor& output) {
+    torch::NoGradGuard no_grad;
+    check_sharded_sizes(output, input, "all_gather_into_async");
+    TRAINLOOP_CHECK(input.is_contiguous() && output.is_contiguous() && input.device() == communication_device() &&
+                        output.device() == communication_device(),
+                    "all_gather_into_async needs contiguous tensors on ", communication_device(), "; got them on ",
+                    input.device(), " and ", output.device());
+    std::vector<std::vector<torch::Tensor>> outputs{std::vector<torch::Tensor>(output.reshape({-1}).chunk(world_size_))};
+    std::vector<torch::Tensor> inputs{input.reshape({-1})};
+    ::c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    return native_checked()->allgather(outputs, inputs, options);
+  }
+
   /// Blocks until every rank has reached the barrier.
   void barrier() {
     ::c10d::BarrierOptions options;

@@ -26,6 +26,12 @@
 /// | before_optimizer_step(), after_optimizer_step()  | finish gradient reduction / refresh replicas              |
 /// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
 ///
+/// A mode with several ranks may also define `train_without_samples(sync)`: the rank has no
+/// samples in this micro-batch (the epoch's last, when it is not a multiple of the ranks' combined
+/// batch) but joins the gradient reduction when `sync`. With it the loop trains exact uneven
+/// batches (TrainLoopOptions::exact_uneven_batches, loop/epoch_batch_plan.hpp); without it
+/// training shards are padded with repeated samples, as PyTorch's DistributedSampler does.
+///
 /// A mode whose ranks hold parts of the gradients or optimizer state (ZeRO, FSDP) also defines
 /// the optional members of engine/sharded_state.hpp: clip_grad_norm (the norm over every rank),
 /// save_optimizer_state and load_optimizer_state (what each rank's checkpoint part is).

@@ -13,6 +13,7 @@
 ///   data with a GradientReducer, and returns on every rank. A rank we spawned ends its process
 ///   when its fit() is done: the program after fit() runs once, in the launching process.
 
+#include <trainloop/distributed/comm_hook_choice.hpp>
 #include <trainloop/distributed/gradient_reducer.hpp>
 #include <trainloop/distributed/launcher.hpp>
 #include <trainloop/distributed/model_sync.hpp>
@@ -79,6 +80,10 @@ struct DistributedDataParallel {
   TORCH_ARG(int64_t, bucket_cap_bytes) = int64_t{25} << 20;
   /// All-reduce buckets during backward (true) or all after backward (false, for comparison).
   TORCH_ARG(bool, overlap) = true;
+  /// How gradient buckets travel: empty (the default) all-reduces them in their dtype; otherwise
+  /// the factory makes each fit's hook — `distributed::comm_hook_named("fp16")` or `"bf16"`
+  /// (distributed/compression_hooks.hpp) or a user's own GradientCommHook.
+  TORCH_ARG(distributed::CommHookFactory, comm_hook) = {};
   /// Limit for joining the group and for each collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
   /// Seconds the launcher waits after SIGTERM before SIGKILL when a rank failed.
@@ -192,6 +197,9 @@ class DistributedDataParallelEngine {
     // 4.53 ms without DDP).
     if (group_->world_size() == 1) return;
     parameters_ = module_->parameters();
+    comm_hook_ = mode_.comm_hook() ? mode_.comm_hook()() : nullptr;
+    TRAINLOOP_CHECK(!mode_.comm_hook() || comm_hook_, "the comm_hook factory returned no hook; expected a "
+                    "GradientCommHook (or no factory for the plain all-reduce)");
     build_reducer();
     buffers_ = module_->buffers();
   }
@@ -199,6 +207,7 @@ class DistributedDataParallelEngine {
   /// model) must not find them still reducing.
   void end_fit() noexcept {
     reducer_.reset();
+    comm_hook_.reset();
     parameters_.clear();
     reduced_flags_.clear();
     buffers_.clear();
@@ -211,6 +220,13 @@ class DistributedDataParallelEngine {
     StepOutput out = forward(*module_, batch_to_device(batch, device_));
     (loss_scale == 1.0 ? out.loss : out.loss * loss_scale).backward();
     sink(out);
+  }
+  /// Exact uneven batches (loop/epoch_batch_plan.hpp): this rank has no samples in this
+  /// micro-batch, so it runs no forward or backward but still takes part in the reduction when
+  /// `synchronize` is true — with the gradient it accumulated earlier in the window, else zeros.
+  void train_without_samples(bool synchronize) {
+    if (reducer_ && trainable_set_changed()) build_reducer();
+    if (reducer_) reducer_->set_sync(synchronize);
   }
   void before_optimizer_step() {
     if (reducer_) reducer_->finalize();
@@ -227,6 +243,8 @@ class DistributedDataParallelEngine {
 
   /// @brief The number of gradient all-reduces launched by the current fit (for tests and benchmarks).
   int64_t allreduce_count() const { return reducer_ ? reducer_->allreduce_count() : 0; }
+  /// @brief Bytes this rank sent for the gradients of the last step (GradientReducer::last_step_bytes_sent).
+  int64_t last_step_gradient_bytes() const { return reducer_ ? reducer_->last_step_bytes_sent() : 0; }
 
   // ---- fit orchestration (called by TrainLoop::fit around the loop) ---------------------
 
@@ -286,6 +304,7 @@ class DistributedDataParallelEngine {
     reducer_options.bucket_cap_bytes = mode_.bucket_cap_bytes();
     reducer_options.overlap = mode_.overlap();
     reducer_.emplace(parameters_, *group_, reducer_options);
+    if (comm_hook_) reducer_->set_comm_hook(comm_hook_);
     reduced_flags_ = flags;
   }
 
@@ -305,6 +324,7 @@ class DistributedDataParallelEngine {
   torch::Device device_ = torch::Device(torch::kCPU);
   distributed::ProcessGroup* group_ = nullptr;
   std::optional<distributed::GradientReducer> reducer_;
+  std::shared_ptr<distributed::GradientCommHook> comm_hook_;  // this fit's, kept across reducer rebuilds
   std::vector<torch::Tensor> parameters_;  // listed once per fit; the reducer takes those requiring grad
   std::vector<char> reduced_flags_;        // which of parameters_ the reducer reduces
   std::vector<torch::Tensor> buffers_;     // listed once per fit, broadcast after every step

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// @brief A mode from command-line style flags: `--gpu-mode single|dp|ddp`, `--device`,
-/// `--procs` (DDP processes on this machine), `--replicas` (DataParallel replicas on the CPU).
+/// `--procs` (DDP processes on this machine), `--replicas` (DataParallel replicas on the CPU),
+/// `--comm-hook` (how DDP's gradients travel).
 ///
 /// @code
 /// trainloop::ModeFlags flags;            // filled by your command-line parser (CLI11, ...)
@@ -25,12 +26,19 @@ struct ModeFlags {
   std::string device = "cpu";       ///< "cpu", "cuda", "cuda:1", ...: the device (single), device type (ddp)
   int procs = 2;                    ///< ddp: processes on this machine (when trainloop spawns them)
   int replicas = 2;                 ///< dp on the CPU: replicas on worker threads
+  std::string comm_hook = "none";   ///< ddp: how gradients travel, "none", "fp16" or "bf16" (comm_hook_named)
 };
 
 /// @brief The mode `flags` name, set up for their device.
 /// @throws trainloop::ConfigurationError for an unknown mode or device name (listing the valid modes).
 inline gpu_mode::Any mode_from_flags(const ModeFlags& flags) {
   gpu_mode::Any mode = gpu_mode::parse(flags.gpu_mode);
+  const distributed::CommHookFactory comm_hook = distributed::comm_hook_named(flags.comm_hook);
+  if (comm_hook && !std::holds_alternative<gpu_mode::DistributedDataParallel>(mode.get())) {
+    throw ConfigurationError(detail::concat("trainloop: comm hook is '", flags.comm_hook, "' with gpu mode '",
+                                            flags.gpu_mode, "'; expected gpu mode ddp (hooks carry DDP's gradients "
+                                            "between processes) or comm hook none"));
+  }
   torch::Device device(torch::kCPU);
   try {
     device = torch::Device(flags.device);
@@ -46,7 +54,7 @@ inline gpu_mode::Any mode_from_flags(const ModeFlags& flags) {
         } else if constexpr (std::is_same_v<Policy, gpu_mode::DataParallel>) {
           if (device.is_cpu()) policy = gpu_mode::DataParallel::cpu_replicas(flags.replicas);
         } else {
-          policy.device_type(device.type()).procs_per_node(flags.procs);
+          policy.device_type(device.type()).procs_per_node(flags.procs).comm_hook(comm_hook);
         }
       },
       mode.get());

@@ -13,6 +13,7 @@
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/loop/batch_memory_format.hpp>
+#include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/loader_for.hpp>
 #include <trainloop/loop/optimizer_step.hpp>
 #include <trainloop/loop/shard_indices.hpp>
@@ -85,17 +86,19 @@ class EpochTrainer {
 
     train_.set_epoch(static_cast<uint64_t>(state.epoch));  // augmentations drawn for this epoch
     const uint64_t start_position = progress_.samples_into_epoch;
-    auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed, start_position);
-    const int64_t remaining_samples = static_cast<int64_t>(indices.size());
+    // Every rank runs plan.batches() micro-batches; with exact uneven batches a rank's last one may
+    // be short or empty, and its loss weighs by its samples (loop/epoch_batch_plan.hpp).
+    const bool exact = exact_uneven_batches(engine, options_);
+    const EpochBatchPlan plan = plan_epoch(train_.size(), shard, options_, exact, progress_.sampler_seed, start_position);
+    auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed,
+                                 start_position, /*pad_training=*/!exact);
     const int64_t local_before = sums.local_samples();
     auto loader = loader_for(train_, std::move(indices), options_.batch_size(), options_.drop_last(), options_,
                              engine.device());
     const int64_t accumulation = options_.grad_accumulation_steps();
     const bool channels_last = nn::uses_channels_last(options_.memory_format(), module_);
     const int64_t batches_done = progress_.batches_into_epoch;
-    const int64_t batch = options_.batch_size();
-    const int64_t remaining_batches =
-        options_.drop_last() ? remaining_samples / batch : (remaining_samples + batch - 1) / batch;
+    const int64_t remaining_batches = plan.batches();
     const int64_t batches = batches_done + remaining_batches;
     state.batches_per_epoch = batches;
     state.batch = batches_done;
@@ -122,27 +125,40 @@ class EpochTrainer {
     double step_lr = learning_rate_of(optimizer_);
     std::optional<double> step_momentum = momentum_of(optimizer_);
     Stopwatch waiting;
-    for (auto&& loaded_batch : loader) {
+    auto next = loader.begin();
+    for (int64_t k = 0; k < remaining_batches; ++k) {
+      if (k > 0 && next != loader.end()) ++next;
+      // None: this rank has no samples in micro-batch k (exact uneven batches, the epoch's last).
+      std::optional<Batch> micro_batch;
+      if (next != loader.end()) micro_batch.emplace(std::move(*next));
       data_wait += waiting.seconds();
       struct RestartOnExit {  // every way out of the body (continue, break) ends this batch's work
         Stopwatch& clock;
         ~RestartOnExit() { clock = Stopwatch(); }
       } restart_waiting{waiting};
+      TRAINLOOP_CHECK(micro_batch.has_value() == (plan.samples(engine.rank(), k) > 0), "rank ", engine.rank(),
+                      (micro_batch ? " has" : " has no"), " batch ", batches_done + k + 1, " of ", batches,
+                      "; expected the same micro-batch count on every rank (a dataset whose size changed?)");
       const int64_t index = state.batch;
-      Batch micro_batch = std::move(loaded_batch);
-      if constexpr (is_example_batch_v<Batch>) {
-        for (auto& cb : active) cb->on_train_batch(state, micro_batch.data, micro_batch.target);
-      }
       const int64_t window = std::min(accumulation, batches - window_start);
       const bool last_in_window = index + 1 == window_start + window;
-      auto forward = [this, first_batch, channels_last, device = engine.device()](Module& replica, const Batch& b) {
-        AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
-        return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first_batch);
-      };
-      const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
       new_micro_batch = true;
-      engine.train_micro_batch(micro_batch, forward, loss_scale / static_cast<double>(window), last_in_window, sink);
-      first_batch = false;
+      if (micro_batch) {
+        if constexpr (is_example_batch_v<Batch>) {
+          for (auto& cb : active) cb->on_train_batch(state, micro_batch->data, micro_batch->target);
+        }
+        auto forward = [this, first_batch, channels_last, device = engine.device()](Module& replica, const Batch& b) {
+          AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
+          return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first_batch);
+        };
+        const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+        const double weight = plan.gradient_weight(engine.rank(), k);  // 1.0 unless batches are uneven
+        engine.train_micro_batch(*micro_batch, forward, loss_scale * weight / static_cast<double>(window),
+                                 last_in_window, sink);
+        first_batch = false;
+      } else if constexpr (TrainsWithoutSamples<Engine>) {
+        engine.train_without_samples(last_in_window);
+      }
       state.batch = index + 1;
       state.epoch_seconds = seconds_before + epoch_clock.seconds();
       state.fit_seconds = fit_clock.seconds();

@@ -18,6 +18,7 @@
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/stopwatch.hpp>
 #include <trainloop/distributed/gather_rows.hpp>
+#include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/epoch_trainer.hpp>
 #include <trainloop/loop/evaluation.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
@@ -131,7 +132,7 @@ class FitRunner {
     }
     std::stable_partition(active.begin(), active.end(), [](const auto& cb) { return !cb->runs_after_others(); });
     const auto shard = engine.data_shard();
-    const int64_t batches_per_epoch = full_epoch_batches(shard);
+    const int64_t batches_per_epoch = full_epoch_batches(engine, shard);
     const int64_t accumulation = options_.grad_accumulation_steps();
     const int64_t steps_per_epoch = (batches_per_epoch + accumulation - 1) / accumulation;
     const int64_t end_step = length.iteration_count() > 0 ? progress_.fit_first_step + length.iteration_count()
@@ -302,14 +303,16 @@ class FitRunner {
     return progress_.fit_step_count > 0 && progress_.global_step >= progress_.fit_first_step + progress_.fit_step_count;
   }
 
-  /// Micro-batches of a whole epoch on this process.
-  int64_t full_epoch_batches(const DataShard& shard) const {
-    const int64_t shard_size =
-        static_cast<int64_t>(shard_sampler(train_.size(), shard, true, options_, progress_.sampler_seed).num_samples());
+  /// Micro-batches of a whole epoch, on every process.
+  template <class Engine>
+  int64_t full_epoch_batches(const Engine& engine, const DataShard& shard) const {
+    const int64_t batches =
+        plan_epoch(train_.size(), shard, options_, exact_uneven_batches(engine, options_), progress_.sampler_seed)
+            .batches();
     const int64_t batch = options_.batch_size();
-    const int64_t batches = options_.drop_last() ? shard_size / batch : (shard_size + batch - 1) / batch;
-    TRAINLOOP_CHECK(batches > 0, "an epoch would have no batch: ", shard_size, " training samples per process with batch size ",
-                    batch, " and drop_last; expected at least ", batch, " samples per process");
+    TRAINLOOP_CHECK(batches > 0, "an epoch would have no batch: ", train_.size(), " training samples over ",
+                    shard.world_size, " process(es) with batch size ", batch, " and drop_last; expected at least ",
+                    batch * shard.world_size, " samples");
     return batches;
   }
 
