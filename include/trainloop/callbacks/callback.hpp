@@ -137,7 +137,10 @@ class Callback : public Stateful {
   virtual void on_epoch_begin(TrainState&) {}
   /// @brief Before each training micro-batch's forward, for batches of torch::data::Example<>:
   /// may replace the input and the target (MixUp mixes samples and turns labels into soft
-  /// targets). Runs on every rank, on this rank's whole micro-batch (before DataParallel splits it).
+  /// targets). Runs on every rank that has samples in the micro-batch, on its whole micro-batch
+  /// (before DataParallel splits it); with exact uneven batches a DDP rank can have none in an
+  /// epoch's last micro-batch (TrainLoopOptions::exact_uneven_batches), so take part in no
+  /// collective here.
   virtual void on_train_batch(TrainState&, torch::Tensor& /*input*/, torch::Tensor& /*target*/) {}
   /// @brief True for callbacks that work through on_train_batch (MixUp): it runs for batches of
   /// torch::data::Example<> only, so fit() with another batch type refuses such a callback at its

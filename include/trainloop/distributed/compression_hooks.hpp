@@ -54,7 +54,7 @@ class Fp16CompressionHook : public GradientCommHook {
 /// Each bucket cast to bf16 and summed (see the file comment for Gloo).
 class Bf16CompressionHook : public GradientCommHook {
  public:
-  /// Starts the bf16 all-reduce (NCCL) or the all-gather of the bf16 bits (Gloo, MPI) of bucket `index`.
+  /// Starts the bf16 all-reduce (NCCL) or the all-gather of the bf16 bits (Gloo) of bucket `index`.
   WorkHandle launch(ProcessGroup& group, std::size_t index, const torch::Tensor& flat) override {
     torch::NoGradGuard no_grad;
     world_size_ = group.world_size();

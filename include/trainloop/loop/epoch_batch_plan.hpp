@@ -68,6 +68,14 @@ class EpochBatchPlan {
                          : static_cast<double>(world() * samples(rank, k)) / static_cast<double>(combined);
   }
 
+  /// Samples of every rank together in micro-batches [0, k): the positions of the epoch's order
+  /// they consumed (with padded shards, repeats included, as the sampler deals them).
+  int64_t combined_samples_before(int64_t k) const {
+    int64_t total = 0;
+    for (int64_t r = 0; r < world(); ++r) total += std::clamp<int64_t>(samples_[static_cast<size_t>(r)], 0, k * batch_);
+    return total;
+  }
+
   /// Whether the shards are unpadded and ranks weighted by their samples.
   bool exact() const noexcept { return exact_; }
 
@@ -92,7 +100,7 @@ concept TrainsWithoutSamples = requires(Engine& engine, bool synchronize) {
 /// so every rank must run every forward: the shards stay padded then).
 template <class Engine>
 bool exact_uneven_batches(const Engine& engine, const TrainLoopOptions& options) {
-  return TrainsWithoutSamples<Engine> && options.exact_uneven_batches() && engine.world_size() > 1 &&
+  return TrainsWithoutSamples<Engine> && options.exact_uneven_batches() && engine.data_shard().world_size > 1 &&
          !options.sync_batchnorm();
 }
 

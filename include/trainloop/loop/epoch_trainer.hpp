@@ -92,7 +92,6 @@ class EpochTrainer {
     const EpochBatchPlan plan = plan_epoch(train_.size(), shard, options_, exact, progress_.sampler_seed, start_position);
     auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed,
                                  start_position, /*pad_training=*/!exact);
-    const int64_t local_before = sums.local_samples();
     auto loader = loader_for(train_, std::move(indices), options_.batch_size(), options_.drop_last(), options_,
                              engine.device());
     const int64_t accumulation = options_.grad_accumulation_steps();
@@ -136,7 +135,7 @@ class EpochTrainer {
         Stopwatch& clock;
         ~RestartOnExit() { clock = Stopwatch(); }
       } restart_waiting{waiting};
-      TRAINLOOP_CHECK(micro_batch.has_value() == (plan.samples(engine.rank(), k) > 0), "rank ", engine.rank(),
+      TRAINLOOP_CHECK(micro_batch.has_value() == (plan.samples(shard.rank, k) > 0), "rank ", engine.rank(),
                       (micro_batch ? " has" : " has no"), " batch ", batches_done + k + 1, " of ", batches,
                       "; expected the same micro-batch count on every rank (a dataset whose size changed?)");
       const int64_t index = state.batch;
@@ -152,7 +151,7 @@ class EpochTrainer {
           return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first_batch);
         };
         const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
-        const double weight = plan.gradient_weight(engine.rank(), k);  // 1.0 unless batches are uneven
+        const double weight = plan.gradient_weight(shard.rank, k);  // 1.0 unless batches are uneven
         engine.train_micro_batch(*micro_batch, forward, loss_scale * weight / static_cast<double>(window),
                                  last_in_window, sink);
         first_batch = false;
@@ -181,7 +180,7 @@ class EpochTrainer {
       // Where the epoch stands, for a checkpoint written from on_step_end.
       progress_.batches_into_epoch = state.batch;
       progress_.samples_into_epoch =
-          start_position + static_cast<uint64_t>((sums.local_samples() - local_before) * state.world_size);
+          start_position + static_cast<uint64_t>(plan.combined_samples_before(state.batch - batches_done));
       progress_.seconds_into_epoch = seconds_before + epoch_clock.seconds();
       progress_.data_wait_into_epoch = data_wait;
       for (auto& cb : active) cb->on_step_end(state);

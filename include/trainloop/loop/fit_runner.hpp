@@ -312,7 +312,7 @@ class FitRunner {
     const int64_t batch = options_.batch_size();
     TRAINLOOP_CHECK(batches > 0, "an epoch would have no batch: ", train_.size(), " training samples over ",
                     shard.world_size, " process(es) with batch size ", batch, " and drop_last; expected at least ",
-                    batch * shard.world_size, " samples");
+                    batch, " samples per process");
     return batches;
   }
 
