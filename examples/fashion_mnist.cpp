@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   app.add_option("--procs", procs, "ddp: processes on this machine (0: one per GPU, or 2 on the CPU)");
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");
   std::string comm_hook = "none";
-  app.add_option("--comm-hook", comm_hook, "ddp: how gradients travel between ranks: none (fp32), fp16 or bf16 (half the bytes)");
+  app.add_option("--comm-hook", comm_hook, "ddp: how gradients travel between ranks: none (fp32), fp16 or bf16 (half the bytes), powersgd[:RANK] (low-rank factors)");
   app.add_option("--checkpoint-dir", checkpoint_dir,
                  "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
   app.add_flag("--resume", resume, "continue from the newest checkpoint in --checkpoint-dir (if there is one)");

@@ -266,10 +266,58 @@ BOOST_AUTO_TEST_CASE(fp16_and_bf16_compression_send_half_the_bytes_and_every_ran
   }
 }
 
+BOOST_AUTO_TEST_CASE(powersgd_at_full_rank_reproduces_the_all_reduce_and_at_rank_1_sends_fewer_bytes) {
+  for (int world : {2, 3}) {
+    const auto plain = run_step(world, /*reversed_registration=*/false, small_buckets());
+    auto powersgd = [&](std::int64_t rank) {
+      std::vector<std::shared_ptr<distributed::GradientCommHook>> hooks;
+      for (int r = 0; r < world; ++r) {
+        hooks.push_back(std::make_shared<distributed::PowerSgdHook>(
+            distributed::PowerSgdOptions().rank(rank).start_iteration(0).min_compression_rate(0.0)));
+      }
+      return run_step(world, /*reversed_registration=*/false, small_buckets(), 0, &hooks);
+    };
+    const auto full = powersgd(64);  // at least every matrix's smaller side
+    const auto low = powersgd(1);
+    // Each run starts from its own random model: compare with the mean of that run's local grads.
+    auto mean_of = [](const std::vector<RankResult>& results, std::size_t p) {
+      torch::Tensor mean = torch::zeros_like(results[0].local[p]);
+      for (const auto& r : results) mean += r.local[p];
+      return mean / static_cast<double>(results.size());
+    };
+    double full_error = 0.0, low_error = 0.0;
+    for (std::size_t p = 0; p < plain[0].reduced.size(); ++p) {
+      const torch::Tensor full_mean = mean_of(full, p), low_mean = mean_of(low, p);
+      full_error = std::max(full_error, (full[0].reduced[p] - full_mean).abs().max().item<double>() /
+                                            std::max(1.0, full_mean.abs().max().item<double>()));
+      low_error = std::max(low_error, (low[0].reduced[p] - low_mean).abs().max().item<double>() /
+                                          std::max(1.0, low_mean.abs().max().item<double>()));
+      for (int r = 1; r < world; ++r) {
+        BOOST_TEST(torch::equal(full[static_cast<std::size_t>(r)].reduced[p], full[0].reduced[p]));
+        BOOST_TEST(torch::equal(low[static_cast<std::size_t>(r)].reduced[p], low[0].reduced[p]));
+      }
+    }
+    BOOST_TEST_MESSAGE("world " << world << ": PowerSGD full rank max |Δ| " << full_error << ", rank 1 " << low_error
+                                << "; bytes per step: all-reduce " << plain[0].last_step_bytes << ", full rank "
+                                << full[0].last_step_bytes << ", rank 1 " << low[0].last_step_bytes);
+    BOOST_TEST(full_error <= 1e-4);
+    BOOST_TEST(low_error > 1e-4);  // rank 1 really compresses
+    BOOST_TEST(low[0].last_step_bytes < plain[0].last_step_bytes / 2);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(an_unknown_comm_hook_name_is_a_clear_error) {
   BOOST_CHECK_EXCEPTION(distributed::comm_hook_named("fp8"), trainloop::ConfigurationError, [](const auto& e) {
-    return std::string(e.what()).find("comm hook is 'fp8'; expected none, fp16 or bf16") != std::string::npos;
+    return std::string(e.what()).find("comm hook is 'fp8'; expected none, fp16, bf16, powersgd or powersgd:RANK") !=
+           std::string::npos;
   });
+  BOOST_CHECK_EXCEPTION(distributed::comm_hook_named("powersgd:0"), trainloop::ConfigurationError, [](const auto& e) {
+    return std::string(e.what()).find("PowerSGD rank is 0; expected 1 or more") != std::string::npos;
+  });
+  BOOST_CHECK_EXCEPTION(distributed::comm_hook_named("powersgd:x"), trainloop::ConfigurationError, [](const auto& e) {
+    return std::string(e.what()).find("PowerSGD rank is 'x'; expected a whole number of 1 or more") != std::string::npos;
+  });
+  BOOST_TEST(static_cast<bool>(distributed::comm_hook_named("powersgd:4")));
   BOOST_CHECK_EXCEPTION(trainloop::mode_from_flags(trainloop::ModeFlags{"single", "cpu", 2, 2, "fp16"}),
                         trainloop::ConfigurationError, [](const auto& e) {
                           return std::string(e.what()).find("comm hook is 'fp16' with gpu mode 'single'; expected gpu "

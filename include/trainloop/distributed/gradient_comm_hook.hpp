@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace trainloop::distributed {
 
@@ -36,10 +37,19 @@ inline std::int64_t ring_all_gather_bytes(std::int64_t bytes, int world_size) {
   return world_size <= 1 ? 0 : bytes * (world_size - 1);
 }
 
+/// @brief Where each parameter's gradient sits in one bucket (for hooks that compress matrices).
+struct BucketLayout {
+  std::vector<std::int64_t> offsets;              ///< first element of each gradient in the flat bucket
+  std::vector<std::vector<std::int64_t>> shapes;  ///< each gradient's shape, in slot order
+};
+
 /// @brief Communicates one gradient bucket across the ranks (see the file comment).
 class GradientCommHook {
  public:
   virtual ~GradientCommHook() = default;
+  /// Called once when the hook is attached to a reducer, before any launch(): every bucket's
+  /// layout, in bucket (launch) order. The default ignores it.
+  virtual void on_buckets_formed(const std::vector<BucketLayout>& /*buckets*/) {}
   /// @brief Starts reducing one bucket across the ranks.
   /// @param group the ranks' process group
   /// @param index the bucket's position in launch order (0 = the first to fill in backward)

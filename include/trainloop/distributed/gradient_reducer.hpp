@@ -151,6 +151,18 @@ class GradientReducer {
     std::lock_guard<std::mutex> lock(state_->mutex);
     TRAINLOOP_CHECK(!state_->step_in_progress(), "set_comm_hook() called between backward and finalize(); "
                     "expected it before backward or after finalize()");
+    if (hook) {
+      std::vector<BucketLayout> layouts;
+      for (const auto& bucket : state_->buckets) {
+        BucketLayout layout;
+        for (std::size_t index : bucket.parameters) {
+          layout.offsets.push_back(state_->slots[index].offset);
+          layout.shapes.push_back(state_->parameters[index].sizes().vec());
+        }
+        layouts.push_back(std::move(layout));
+      }
+      hook->on_buckets_formed(layouts);
+    }
     state_->hook = std::move(hook);
   }
 

@@ -26,7 +26,7 @@ struct ModeFlags {
   std::string device = "cpu";       ///< "cpu", "cuda", "cuda:1", ...: the device (single), device type (ddp)
   int procs = 2;                    ///< ddp: processes on this machine (when trainloop spawns them)
   int replicas = 2;                 ///< dp on the CPU: replicas on worker threads
-  std::string comm_hook = "none";   ///< ddp: how gradients travel, "none", "fp16" or "bf16" (comm_hook_named)
+  std::string comm_hook = "none";   ///< ddp: how gradients travel: none, fp16, bf16, powersgd[:RANK] (comm_hook_named)
 };
 
 /// @brief The mode `flags` name, set up for their device.
