@@ -41,7 +41,7 @@ inline CommHookFactory comm_hook_named(const std::string& name) {
       }
     }
     const PowerSgdOptions options = PowerSgdOptions().rank(rank);
-    PowerSgdHook check(options);  // a rank of 0 fails here, when the flag is read, not in the ranks
+    PowerSgdHook::validate(options);  // a rank of 0 fails when the flag is read, not in the ranks
     return [options] { return std::make_shared<PowerSgdHook>(options); };
   }
   throw ConfigurationError(::trainloop::detail::concat("trainloop: comm hook is '", name,

@@ -49,14 +49,17 @@ struct PowerSgdOptions {
 class PowerSgdHook : public GradientCommHook {
  public:
   /// @throws trainloop::ConfigurationError when the rank is below 1 or the start iteration negative.
-  explicit PowerSgdHook(PowerSgdOptions options = {}) : options_(options) {
-    if (options_.rank() < 1) {
-      throw ConfigurationError(::trainloop::detail::concat("trainloop: PowerSGD rank is ", options_.rank(),
+  explicit PowerSgdHook(PowerSgdOptions options = {}) : options_(options) { validate(options_); }
+
+  /// @throws trainloop::ConfigurationError naming the first setting out of range.
+  static void validate(const PowerSgdOptions& options) {
+    if (options.rank() < 1) {
+      throw ConfigurationError(::trainloop::detail::concat("trainloop: PowerSGD rank is ", options.rank(),
                                                            "; expected 1 or more"));
     }
-    if (options_.start_iteration() < 0) {
+    if (options.start_iteration() < 0) {
       throw ConfigurationError(::trainloop::detail::concat("trainloop: PowerSGD start iteration is ",
-                                                           options_.start_iteration(), "; expected 0 or more"));
+                                                           options.start_iteration(), "; expected 0 or more"));
     }
   }
 
@@ -101,7 +104,7 @@ class PowerSgdHook : public GradientCommHook {
     // Tensors that travel whole, in one buffer, while the factors are computed.
     std::int64_t whole_numel = 0;
     for (const auto& w : bucket.whole) whole_numel += w.numel;
-    bucket.whole_buffer = torch::empty({whole_numel}, flat.options());
+    if (!bucket.whole_buffer.defined()) bucket.whole_buffer = torch::empty({whole_numel}, flat.options());
     for (std::int64_t at = 0; const auto& w : bucket.whole) {
       bucket.whole_buffer.narrow(0, at, w.numel).copy_(flat.narrow(0, w.offset, w.numel));
       at += w.numel;
@@ -111,8 +114,11 @@ class PowerSgdHook : public GradientCommHook {
     // P = M Q for every matrix, all-reduced as one buffer.
     std::int64_t p_numel = 0, q_numel = 0;
     for (const auto& mat : bucket.matrices) p_numel += mat.n * mat.r, q_numel += mat.m * mat.r;
-    torch::Tensor ps = torch::empty({p_numel}, flat.options());
-    bucket.qs = torch::empty({q_numel}, flat.options());
+    if (!bucket.ps.defined()) {  // once per bucket layout (on_buckets_formed starts a new one)
+      bucket.ps = torch::empty({p_numel}, flat.options());
+      bucket.qs = torch::empty({q_numel}, flat.options());
+    }
+    torch::Tensor& ps = bucket.ps;
     for (std::int64_t p_at = 0; auto& mat : bucket.matrices) {
       torch::Tensor m = flat.narrow(0, mat.offset, mat.n * mat.m).view({mat.n, mat.m});
       if (!mat.error.defined()) {
@@ -182,7 +188,7 @@ class PowerSgdHook : public GradientCommHook {
     std::vector<Matrix> matrices;
     std::vector<Whole> whole;
     bool compressed_this_step = false;
-    torch::Tensor qs, whole_buffer;
+    torch::Tensor ps, qs, whole_buffer;  // reused every step
     WorkHandle whole_work;
     std::int64_t sent = 0;
   };

@@ -181,12 +181,8 @@ class ProcessGroup {
   void all_gather_into(const torch::Tensor& input, const torch::Tensor& output) {
     torch::NoGradGuard no_grad;
     check_sharded_sizes(output, input, "all_gather_into");
-    torch::Tensor gathered = staged(output).reshape({-1});
-    std::vector<std::vector<torch::Tensor>> outputs{std::vector<torch::Tensor>(gathered.chunk(world_size_))};
-    std::vector<torch::Tensor> inputs{staged(input).reshape({-1})};
-    ::c10d::AllgatherOptions options;
-    options.timeout = timeout_;
-    wait(native_checked()->allgather(outputs, inputs, options), "all_gather_into");
+    torch::Tensor gathered = staged(output);
+    wait(all_gather_into_async(staged(input), gathered), "all_gather_into");
     if (gathered.data_ptr() != output.data_ptr()) output.copy_(gathered.view_as(output));  // it was staged
   }
 
