@@ -58,6 +58,8 @@ int main(int argc, char** argv) {
   app.add_option("--procs", procs, "ddp: processes on this machine (0: one per GPU, or 2 on the CPU)");
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");
   std::string comm_hook = "none";
+  bool zero = false;
+  app.add_flag("--zero", zero, "ddp: ZeRO-1, each rank keeps the optimizer state of about 1/procs of the parameters");
   app.add_option("--comm-hook", comm_hook, "ddp: how gradients travel between ranks: none (fp32), fp16 or bf16 (half the bytes), powersgd[:RANK] (low-rank factors)");
   app.add_option("--checkpoint-dir", checkpoint_dir,
                  "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
@@ -85,7 +87,7 @@ int main(int argc, char** argv) {
 
   try {
     // The mode is chosen at run time; every mode then runs the same compiled loop.
-    trainloop::gpu_mode::Any mode = example_mode(gpu_mode, torch::Device(device), procs, replicas, comm_hook);
+    trainloop::gpu_mode::Any mode = example_mode(gpu_mode, torch::Device(device), procs, replicas, comm_hook, zero);
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;
@@ -156,6 +158,7 @@ int main(int argc, char** argv) {
     std::cout << mode.name() << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss << ", "
               << result.samples << " test images) after " << history.epochs.size() << " epochs, "
               << seconds << " s of training" << (history.stop_reason.empty() ? "" : " (" + history.stop_reason + ")") << '\n';
+    std::cout << "optimizer state per rank: " << history.last().optimizer_state_bytes << " bytes\n";
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << '\n';

@@ -7,7 +7,8 @@
 // exit0, checkpoint_error, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
 // throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, ckpt (checkpoints, resume
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
-// TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS).
+// TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 and
+// TL_TEST_CLIP_PERCENT=N for ZeRO).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -166,6 +167,10 @@ int main(int argc, char** argv) {
     torch::manual_seed(5);
     Mlp net;
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    // TL_TEST_OPTIMIZER=adam: the main loop trains with Adam instead (ZeRO's tests: two moments per parameter).
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+    const bool use_adam = std::getenv("TL_TEST_OPTIMIZER") && std::string(std::getenv("TL_TEST_OPTIMIZER")) == "adam";
+    torch::optim::Optimizer& trained_optimizer = use_adam ? static_cast<torch::optim::Optimizer&>(adam) : optimizer;
     auto mode = tl::gpu_mode::DistributedDataParallel()
                     .procs_per_node(world)
                     .device_type(torch::kCPU)
@@ -206,6 +211,8 @@ int main(int argc, char** argv) {
       if (const int64_t kill_at = env_number("TL_TEST_KILL_AT_STEP", 0)) callbacks.push_back(std::make_shared<KillRank1AtStep>(kill_at));
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
+      mode.zero(env_number("TL_TEST_ZERO", 0) != 0);
+      if (const int64_t clip = env_number("TL_TEST_CLIP_PERCENT", 0)) options.clip_grad_norm(static_cast<double>(clip) / 100.0);
     }
     if (scenario == "uneven") {  // test_distributed: exact uneven batches (ddp_test_model.hpp's uneven_reference)
       train_size = kUnevenSamples;
@@ -297,7 +304,7 @@ int main(int argc, char** argv) {
       return 0;
     }
 
-    tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> loop(net, train, val, optimizer,
+    tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> loop(net, train, val, trained_optimizer,
                                                                    torch::nn::CrossEntropyLoss(), options, mode);
     tl::EvalResult before;
     if (scenario == "lr_between_fits") before = loop.evaluate(val);
@@ -360,7 +367,8 @@ int main(int argc, char** argv) {
           << "\nval_samples " << history.last().validation->samples << "\nlocal_val_loss " << check.loss
           << "\nlocal_val_accuracy " << check.metrics.at("accuracy") << "\ntrain_samples " << history.last().samples
           << "\nlowered " << lowered << "\nlr " << optimizer.param_groups()[0].options().get_lr()
-          << "\nlast_epoch " << history.last().epoch << "\ncounted " << (counter ? counter->steps : -1) << "\n";
+          << "\nlast_epoch " << history.last().epoch << "\ncounted " << (counter ? counter->steps : -1)
+          << "\noptimizer_state_bytes " << history.last().optimizer_state_bytes << "\n";
     }
     return 0;
   } catch (const c10::OutOfMemoryError& e) {

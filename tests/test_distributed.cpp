@@ -735,3 +735,157 @@ BOOST_AUTO_TEST_CASE(a_full_disk_stops_every_rank_with_an_error_naming_the_file,
   fs::remove_all(probe.dir);
   fs::remove_all(dir);
 }
+
+// ---- ZeRO-1: the optimizer state sharded over the ranks (distributed/zero_optimizer_shard.hpp) ----
+
+namespace {
+
+/// Adam's two moments of every parameter a checkpoint holds state for, in parameter order and
+/// flattened, and how many parameters have state.
+std::pair<torch::Tensor, int64_t> adam_moments(const fs::path& file) {
+  torch::serialize::InputArchive archive, ours, optimizer, groups, group, states;
+  archive.load_from(file.string());
+  BOOST_REQUIRE(archive.try_read("__trainloop__", ours) && ours.try_read("optimizer", optimizer));
+  BOOST_REQUIRE(optimizer.try_read("param_groups", groups) && groups.try_read("param_groups/0", group));
+  BOOST_REQUIRE(optimizer.try_read("state", states));
+  torch::Tensor size;
+  BOOST_REQUIRE(group.try_read("params/size", size));
+  std::vector<torch::Tensor> moments;
+  int64_t with_state = 0;
+  for (int64_t i = 0; i < size.item<int64_t>(); ++i) {
+    c10::IValue key;
+    torch::serialize::InputArchive state;
+    if (!group.try_read("params/" + std::to_string(i), key) || !states.try_read(key.toStringRef(), state)) continue;
+    ++with_state;
+    torch::Tensor exp_avg, exp_avg_sq;
+    state.read("exp_avg", exp_avg);
+    state.read("exp_avg_sq", exp_avg_sq);
+    moments.push_back(exp_avg.flatten());
+    moments.push_back(exp_avg_sq.flatten());
+  }
+  return {moments.empty() ? torch::zeros({0}) : torch::cat(moments), with_state};
+}
+
+constexpr int64_t kMlpParameters = 6 * 16 + 16 + 16 * 16 + 16 + 16 * 3 + 3;  // 435, in 6 tensors
+constexpr int64_t kMlpLargest = 16 * 16;                                     // fc2's weight
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(zero_owners_balance_the_elements_and_bad_settings_are_named) {
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+  for (int world : {2, 3, 4}) {
+    int64_t total = 0, most = 0;
+    for (int r = 0; r < world; ++r) {
+      tl::distributed::ZeroOptimizerShard shard(adam, r, world);
+      total += shard.owned_elements(r);
+      most = std::max(most, shard.owned_elements(r));
+      BOOST_TEST(shard.owner(2) == 0);  // the largest parameter goes first, to rank 0
+    }
+    BOOST_TEST(total == kMlpParameters);  // every parameter has exactly one owner
+    BOOST_TEST(most * world - kMlpParameters <= kMlpLargest * world);  // within one parameter of 1/W
+  }
+  torch::optim::LBFGS lbfgs(net->parameters(), torch::optim::LBFGSOptions(0.1));
+  try {
+    tl::distributed::ZeroOptimizerShard::check_optimizer(lbfgs);
+    BOOST_FAIL("ZeRO accepted LBFGS");
+  } catch (const tl::ConfigurationError& error) {
+    BOOST_TEST(std::string(error.what()).find("ZeRO is on with optimizer LBFGS, whose state is one history for all "
+                                              "parameters") != std::string::npos);
+  }
+  tl::ModeFlags flags;
+  flags.zero = true;
+  try {
+    tl::mode_from_flags(flags);
+    BOOST_FAIL("ZeRO was accepted with gpu mode single");
+  } catch (const tl::ConfigurationError& error) {
+    BOOST_TEST(std::string(error.what()).find("ZeRO is on with gpu mode 'single'; expected gpu mode ddp") !=
+               std::string::npos);
+  }
+  flags.gpu_mode = "ddp";
+  BOOST_TEST(std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).zero());
+}
+
+// 20 steps of Adam with clipping: ZeRO equals plain DDP in the parameters and in every Adam moment
+// (gathered into the checkpoint), and each rank holds about 1/W of the state.
+BOOST_AUTO_TEST_CASE(zero_with_adam_equals_plain_ddp_and_each_rank_holds_a_share_of_the_state) {
+  for (int world : {2, 3}) {
+    auto dir = fresh_dir("zero_vs_ddp_" + std::to_string(world));
+    const std::string common = "TL_TEST_EPOCHS=4 TL_TEST_OPTIMIZER=adam TL_TEST_CLIP_PERCENT=50 ";
+    auto ddp = run_worker("ckpt", world, 0, common + "TL_TEST_CKPT_DIR=" + (dir / "ddp").string(), "_ddp");
+    BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
+    auto zero = run_worker("ckpt", world, 0, common + "TL_TEST_ZERO=1 TL_TEST_CKPT_DIR=" + (dir / "zero").string(), "_zero");
+    BOOST_REQUIRE_MESSAGE(zero.exit_code == 0, zero.output);
+    BOOST_TEST(zero.result["steps"] == 20);
+    const double params = (load_params((zero.dir / "params.pt").string()) - load_params((ddp.dir / "params.pt").string()))
+                              .abs().max().item<double>();
+    const auto [ddp_moments, ddp_states] = adam_moments(dir / "ddp" / "last.ckpt");
+    const auto [zero_moments, zero_states] = adam_moments(dir / "zero" / "last.ckpt");
+    BOOST_TEST(ddp_states == 6);
+    BOOST_TEST(zero_states == 6);  // the whole state, gathered from every rank
+    BOOST_REQUIRE(zero_moments.sizes() == ddp_moments.sizes());
+    const double moments = (zero_moments - ddp_moments).abs().max().item<double>();
+    BOOST_TEST_MESSAGE("world " << world << ", 20 Adam steps: max |zero - ddp| parameters " << params << ", moments "
+                                << moments);
+    BOOST_TEST(params <= 1e-6);
+    BOOST_TEST(moments <= 1e-6);
+    // Bytes of optimizer state on the rank holding the most: DDP the whole (2 moments x 4 bytes x
+    // 435), ZeRO 1/W of it within one parameter's state.
+    const double whole = 2 * 4 * kMlpParameters;
+    BOOST_TEST(ddp.result["optimizer_state_bytes"] == whole);
+    BOOST_TEST_MESSAGE("world " << world << ": optimizer state per rank, ddp " << ddp.result["optimizer_state_bytes"]
+                                << " bytes, zero " << zero.result["optimizer_state_bytes"] << " bytes");
+    BOOST_TEST(zero.result["optimizer_state_bytes"] >= whole / world);
+    BOOST_TEST(zero.result["optimizer_state_bytes"] <= whole / world + 2 * 4 * kMlpLargest);
+    for (auto* run : {&ddp, &zero}) fs::remove_all(run->dir);
+    fs::remove_all(dir);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(zero_restarts_bit_for_bit_and_its_checkpoints_resume_in_any_mode_and_world_size) {
+  auto dir = fresh_dir("zero_ckpt");
+  const std::string adam = "TL_TEST_OPTIMIZER=adam ", zero = adam + "TL_TEST_ZERO=1 ";
+  auto full = run_ckpt("zero_full", dir / "full", zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2");
+  BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+  // Rank 1 killed at step 7 (inside epoch 2): all ranks restart from the step-6 checkpoint.
+  auto killed = run_ckpt("zero_killed", dir / "killed",
+                         zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_KILL_AT_STEP=7 TL_TEST_MAX_RESTARTS=1");
+  BOOST_REQUIRE_MESSAGE(killed.exit_code == 0, killed.output);
+  BOOST_TEST(killed.output.find("restarting all ranks from the newest checkpoint") != std::string::npos);
+  BOOST_TEST(torch::equal(load_params((killed.dir / "params.pt").string()), load_params((full.dir / "params.pt").string())));
+  BOOST_TEST(leftover_workers() == 0);
+
+  // 2 epochs with ZeRO, then the third in plain DDP from ZeRO's checkpoint: as 3 epochs of ZeRO.
+  auto first = run_ckpt("zero_first", dir / "mixed", zero + "TL_TEST_EPOCHS=2");
+  BOOST_REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  fs::copy(dir / "mixed", dir / "three_ranks", fs::copy_options::recursive);
+  fs::copy(dir / "mixed", dir / "back_to_zero", fs::copy_options::recursive);
+  auto in_ddp = run_ckpt("ddp_second", dir / "mixed", adam + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
+  BOOST_REQUIRE_MESSAGE(in_ddp.exit_code == 0, in_ddp.output);
+  BOOST_TEST(in_ddp.result["epochs"] == 3);
+  const double mixed = (load_params((in_ddp.dir / "params.pt").string()) - load_params((full.dir / "params.pt").string()))
+                           .abs().max().item<double>();
+  BOOST_TEST_MESSAGE("2 epochs ZeRO + 1 epoch plain DDP vs 3 epochs ZeRO: max |diff| " << mixed);
+  BOOST_TEST(mixed <= 1e-6);
+  // ... and plain DDP's checkpoint of epoch 3 continues in ZeRO; ZeRO's in 3 ranks (another world size).
+  auto ddp_then_zero = run_ckpt("zero_third", dir / "mixed", zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
+  BOOST_REQUIRE_MESSAGE(ddp_then_zero.exit_code == 0, ddp_then_zero.output);
+  BOOST_TEST(ddp_then_zero.result["epochs"] == 4);
+  auto three = run_worker("ckpt", 3, 0, zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last TL_TEST_CKPT_DIR=" +
+                                            (dir / "three_ranks").string(), "_zero_three");
+  BOOST_REQUIRE_MESSAGE(three.exit_code == 0, three.output);
+  BOOST_TEST(three.result["epochs"] == 3);
+  BOOST_TEST(adam_moments(dir / "three_ranks" / "last.ckpt").second == 6);
+  // ... and in one process, with every parameter's Adam state.
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(0.01));
+  tl::TrainLoop<Mlp> one(net, make_data(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                         tl::TrainLoopOptions().batch_size(8));
+  one.load_checkpoint(dir / "back_to_zero" / "last.ckpt");
+  BOOST_TEST(optimizer.state().size() == 6u);
+  BOOST_TEST(tl::optimizer_state_bytes(optimizer) == 2 * 4 * kMlpParameters);
+  for (auto* run : {&full, &killed, &first, &in_ddp, &ddp_then_zero, &three}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}

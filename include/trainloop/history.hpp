@@ -32,6 +32,10 @@ struct EpochRecord {
   double data_wait_seconds = 0.0;
   double learning_rate = 0.0;             ///< learning rate (first param group) of the epoch's last step
   std::optional<double> momentum;         ///< momentum (SGD) or beta1 (Adam, AdamW) of that step, when the optimizer has one
+  /// Bytes of optimizer state (Adam's moments, SGD's momentum...) the rank holding the most held
+  /// at the epoch's end: the whole state without ZeRO, about 1/W of it with
+  /// (gpu_mode::DistributedDataParallel::zero; optimizer_state_bytes()).
+  int64_t optimizer_state_bytes = 0;
 };
 
 /// @brief One optimizer step, recorded when TrainLoopOptions::record_steps is on.

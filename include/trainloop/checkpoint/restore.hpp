@@ -92,8 +92,8 @@ class StateUndo {
 /// Loads `file` into `module`, `optimizer` and `callbacks`, and, when `rng_rank` is given, that
 /// rank's random streams into this process; returns the progress the checkpoint recorded. All or
 /// nothing (see the file comment). `load_optimizer`, when given, is the engine's loader of the
-/// optimizer archive (a sharded mode's layout, engine/sharded_state.hpp): it checks what it reads
-/// itself, and a failure still puts everything back.
+/// optimizer archive (engine/sharded_state.hpp): a state in libtorch's layout is checked first as
+/// always, one in the engine's own layout is the loader's to check; a failure puts everything back.
 /// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
 inline TrainingProgress restore_checkpoint(
     CheckpointFile& file, torch::nn::Module& module, torch::optim::Optimizer& optimizer, const KeyedStates& callbacks,
@@ -102,7 +102,7 @@ inline TrainingProgress restore_checkpoint(
   // 1. Read and check, changing nothing.
   const auto model_copies = file.checked_model_tensors(module);
   TrainingProgress progress = file.progress();
-  if (!load_optimizer) file.check_optimizer(optimizer);
+  file.check_optimizer(optimizer, /*engine_loads_own_layout=*/static_cast<bool>(load_optimizer));
   std::optional<torch::Tensor> rng;
   if (rng_rank) {
     rng = file.rng_state(*rng_rank);

@@ -22,6 +22,7 @@ inline std::string history_to_text(const History& history) {
   for (const auto& e : history.epochs) {
     out << "epoch\t" << e.epoch << "\tsteps\t" << e.steps << "\tsamples\t" << e.samples << "\ttrain_loss\t"
         << e.train_loss << "\tseconds\t" << e.seconds << "\tsamples_per_second\t" << e.samples_per_second << "\tdata_wait_seconds\t" << e.data_wait_seconds
+        << "\toptimizer_state_bytes\t" << e.optimizer_state_bytes
         << "\tlr\t" << e.learning_rate;
     if (e.momentum) out << "\tmomentum\t" << *e.momentum;
     for (const auto& [name, value] : e.train_metrics) out << "\ttrain:" << name << '\t' << value;
@@ -71,6 +72,7 @@ inline History history_from_text(const std::string& text) {
       else if (key == "seconds") record.seconds = std::stod(value);
       else if (key == "samples_per_second") record.samples_per_second = std::stod(value);
       else if (key == "data_wait_seconds") record.data_wait_seconds = std::stod(value);  // absent in older files: 0
+      else if (key == "optimizer_state_bytes") record.optimizer_state_bytes = std::stoll(value);  // older files: 0
       else if (key == "lr") record.learning_rate = std::stod(value);
       else if (key == "momentum") record.momentum = std::stod(value);
       else if (key.rfind("train:", 0) == 0) record.train_metrics[key.substr(6)] = std::stod(value);

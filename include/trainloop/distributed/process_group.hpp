@@ -139,6 +139,30 @@ class ProcessGroup {
     return torch::stack(outputs[0]).to(tensor.device());
   }
 
+  /// Gathers every rank's `tensor` (same shape and dtype on all ranks) on `root` only: element r
+  /// of the result, on `root`, holds rank r's values (on the CPU); other ranks get an empty list.
+  /// Unlike all_gather, only `root` ever holds world_size() copies (ZeRO's state for a checkpoint).
+  std::vector<torch::Tensor> gather_to(const torch::Tensor& tensor, int root) {
+    check_root(root);
+    torch::NoGradGuard no_grad;
+    torch::Tensor input = staged(tensor);
+    std::vector<std::vector<torch::Tensor>> outputs;
+    if (rank_ == root) {
+      outputs.emplace_back();
+      for (int r = 0; r < world_size_; ++r) outputs[0].push_back(torch::empty_like(input));
+    }
+    std::vector<torch::Tensor> inputs{input};
+    ::c10d::GatherOptions options;
+    options.rootRank = root;
+    options.timeout = timeout_;
+    wait(native_checked()->gather(outputs, inputs, options), "gather");
+    std::vector<torch::Tensor> rows;
+    if (rank_ == root) {
+      for (auto& row : outputs[0]) rows.push_back(row.to(torch::kCPU));
+    }
+    return rows;
+  }
+
   /// Sums `input` over all ranks and leaves this rank's share of the sum in `output`: `input`
   /// holds world_size() equal chunks of output.numel() elements, and rank r receives the sum of
   /// every rank's chunk r (a sharded optimizer's gradient step). NCCL, and Gloo in libtorch 2.x,
@@ -246,7 +270,7 @@ class ProcessGroup {
   }
 
   void check_root(int root) const {
-    TRAINLOOP_CHECK(root >= 0 && root < world_size_, "broadcast root is ", root, "; expected 0 <= root < ",
+    TRAINLOOP_CHECK(root >= 0 && root < world_size_, "the root rank is ", root, "; expected 0 <= root < ",
                     world_size_);
   }
 

@@ -14,13 +14,18 @@
 /// |                                                   | rank's gradients (a collective)                       |
 /// | save_optimizer_state(optimizer, archive, writes)  | writing a checkpoint, on every rank (a collective);   |
 /// |                                                   | fills `archive` where `writes` (rank 0) is true       |
+/// | step_optimizer(optimizer)                         | the optimizer step, on every rank (not on a step fp16 |
+/// |                                                   | skips): step this rank's share and share the result   |
 /// | load_optimizer_state(optimizer, archive)          | resuming, on every rank, with the archive the checkpoint holds; |
 /// |                                                   | throws when it does not fit (nothing changed then: the loop keeps |
 /// |                                                   | the optimizer's previous state and puts it back)      |
 ///
 /// The archive is the checkpoint's `__trainloop__/optimizer` entry; a sharded engine chooses its
 /// layout (for example one sub-archive per rank, or the shards gathered into libtorch's layout so
-/// that a run with another world size resumes from it). Checked by tests/test_user_mode.cpp.
+/// that a run with another world size resumes from it). An archive in libtorch's layout is checked
+/// against the optimizer before the engine's loader runs; one in the engine's own layout is the
+/// loader's to check. Checked by tests/test_user_mode.cpp; DDP's ZeRO
+/// (distributed/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members.
 
 #include <trainloop/optim/optimizer_state.hpp>
 
@@ -41,10 +46,21 @@ void clip_gradients(Engine& engine, Module& module, double max_norm) {
   }
 }
 
+/// One optimizer step: the engine's step_optimizer when it has one (a sharded mode steps its
+/// share, a collective), otherwise `optimizer.step()`.
+template <class Engine>
+void step_optimizer(Engine& engine, torch::optim::Optimizer& optimizer) {
+  if constexpr (requires { engine.step_optimizer(optimizer); }) {
+    engine.step_optimizer(optimizer);
+  } else {
+    optimizer.step();
+  }
+}
+
 /// The optimizer part of a checkpoint, on every rank: the engine's save_optimizer_state when it
 /// has one (a collective), otherwise the writing rank's optimizer in libtorch's format.
 template <class Engine>
-void save_engine_optimizer_state(Engine& engine, const torch::optim::Optimizer& optimizer,
+void save_engine_optimizer_state(Engine& engine, torch::optim::Optimizer& optimizer,
                                  torch::serialize::OutputArchive& archive, bool writes) {
   if constexpr (requires { engine.save_optimizer_state(optimizer, archive, writes); }) {
     engine.save_optimizer_state(optimizer, archive, writes);

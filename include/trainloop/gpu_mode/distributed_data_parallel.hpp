@@ -21,12 +21,14 @@
 #include <trainloop/distributed/rank_env.hpp>
 #include <trainloop/distributed/rank_session.hpp>
 #include <trainloop/distributed/spawn_relay.hpp>
+#include <trainloop/distributed/zero_optimizer_shard.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/optim/optimizer_state.hpp>
 
 #include <torch/torch.h>
 
@@ -84,6 +86,10 @@ struct DistributedDataParallel {
   /// the factory makes each fit's hook — `distributed::comm_hook_named("fp16")` or `"bf16"`
   /// (distributed/compression_hooks.hpp) or a user's own GradientCommHook.
   TORCH_ARG(distributed::CommHookFactory, comm_hook) = {};
+  /// ZeRO stage 1: shard the optimizer state over the ranks (distributed/zero_optimizer_shard.hpp).
+  /// Each rank keeps and steps the state of about 1/W of the parameters, then sends them to the
+  /// others; checkpoints still hold the whole state (gathered on save), so they resume in any mode.
+  TORCH_ARG(bool, zero) = false;
   /// Limit for joining the group and for each collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
   /// Seconds the launcher waits after SIGTERM before SIGKILL when a rank failed.
@@ -188,10 +194,18 @@ class DistributedDataParallelEngine {
 
   /// Makes every rank hold rank 0's state and attaches the gradient hooks for this fit only. (A
   /// rank we spawned then loads the caller's state, "initial.ckpt", as the loop resumes from it.)
-  void begin_fit(torch::optim::Optimizer&) {
+  void begin_fit(torch::optim::Optimizer& optimizer) {
     TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
     prepare();
     distributed::broadcast_module_state(*module_, *group_);
+    zero_.reset();
+    if (mode_.zero()) {
+      distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+      if (group_->world_size() > 1) {
+        zero_.emplace(optimizer, group_->rank(), group_->world_size());
+        zero_->drop_state_of_others(optimizer);  // a whole state loaded before this fit keeps this rank's share
+      }
+    }
     // One rank: the local gradient is the average; reducing it copied and "all-reduced" every
     // gradient for nothing (measured on an H100, 1-rank NCCL, MLP 4096x4: 5.05 ms per step vs
     // 4.53 ms without DDP).
@@ -204,7 +218,8 @@ class DistributedDataParallelEngine {
     buffers_ = module_->buffers();
   }
   /// Removes this fit's gradient hooks: a later fit (of this or another TrainLoop over the same
-  /// model) must not find them still reducing.
+  /// model) must not find them still reducing. ZeRO's owners stay until the next fit: after a
+  /// ZeRO fit each rank's optimizer holds its share, and a checkpoint saved then still gathers it.
   void end_fit() noexcept {
     reducer_.reset();
     comm_hook_.reset();
@@ -233,6 +248,41 @@ class DistributedDataParallelEngine {
   }
   void after_optimizer_step() {
     if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
+  }
+
+  /// The optimizer step: under ZeRO this rank's share, then every owner's parameters to every
+  /// rank (a collective); otherwise the whole step on every rank.
+  void step_optimizer(torch::optim::Optimizer& optimizer) {
+    if (zero_) {
+      zero_->step(optimizer, *group_);
+    } else {
+      optimizer.step();
+    }
+  }
+  /// A checkpoint's optimizer part in libtorch's layout. Under ZeRO a collective: each writing
+  /// rank (rank 0; with spawned ranks on several machines, each machine's local rank 0) gathers
+  /// every rank's share, writes the whole state and lets go of it.
+  void save_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive, bool writes) {
+    if (!zero_ || !group_) {
+      if (writes) detail::save_optimizer_state(optimizer, archive);
+      return;
+    }
+    const torch::Tensor writers = group_->all_gather(torch::full({1}, writes ? 1 : 0, torch::kInt64)).reshape({-1});
+    for (int root = 0; root < group_->world_size(); ++root) {
+      if (writers[root].item<int64_t>() == 0) continue;
+      struct Release {
+        distributed::ZeroOptimizerShard& shard;
+        torch::optim::Optimizer& optimizer;
+        ~Release() { shard.release_gathered(optimizer); }
+      } release{*zero_, optimizer};
+      zero_->gather_state(optimizer, *group_, root);
+      if (root == group_->rank()) detail::save_optimizer_state(optimizer, archive);
+    }
+  }
+  /// Loads a whole state (any mode's checkpoint); under ZeRO this rank keeps its share.
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+    detail::load_optimizer_state(optimizer, archive);
+    if (zero_) zero_->drop_state_of_others(optimizer);
   }
 
   template <class Batch, class Forward, class Sink>
@@ -328,6 +378,7 @@ class DistributedDataParallelEngine {
   std::vector<torch::Tensor> parameters_;  // listed once per fit; the reducer takes those requiring grad
   std::vector<char> reduced_flags_;        // which of parameters_ the reducer reduces
   std::vector<torch::Tensor> buffers_;     // listed once per fit, broadcast after every step
+  std::optional<distributed::ZeroOptimizerShard> zero_;  // owners of the optimizer state, under ZeRO
 };
 
 }  // namespace detail

@@ -20,6 +20,7 @@
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/optim/hyperparameters.hpp>
+#include <trainloop/optim/optimizer_state_bytes.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/autocast.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
@@ -211,6 +212,9 @@ class EpochTrainer {
     record.samples_per_second = record.seconds > 0 ? static_cast<double>(record.samples) / record.seconds : 0.0;
     record.learning_rate = step_lr;
     record.momentum = step_momentum;
+    // The most any rank holds (under ZeRO the shares differ by up to one parameter).
+    const torch::Tensor state_bytes = torch::full({1}, optimizer_state_bytes(optimizer_), torch::kInt64);
+    record.optimizer_state_bytes = engine.all_gather(state_bytes).max().template item<int64_t>();
     state.running_loss = nullptr;
     state.last_loss = nullptr;
     if (complete) {

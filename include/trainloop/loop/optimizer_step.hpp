@@ -32,7 +32,7 @@ StepHyperparameters optimizer_step(Engine& engine, Module& module, torch::optim:
   if (clip_grad_norm > 0.0 && !overflow) clip_gradients(engine, module, clip_grad_norm);
   for (auto& cb : active) cb->on_before_optimizer_step(state);
   const StepHyperparameters used{learning_rate_of(optimizer), momentum_of(optimizer)};
-  if (!overflow) optimizer.step();
+  if (!overflow) step_optimizer(engine, optimizer);
   if (scaler) {
     scaler->update(overflow);
     state.skipped_steps = scaler->skipped_steps();

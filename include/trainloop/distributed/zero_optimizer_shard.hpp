@@ -1,0 +1,234 @@
+#pragma once
+/// @file
+/// @brief ZeRO stage 1 (Rajbhandari et al. 2020; PyTorch's ZeroRedundancyOptimizer): the optimizer
+/// state sharded over DDP's ranks. Each parameter has one owner rank; only the owner keeps its
+/// optimizer state and steps it, then sends the updated values to every rank.
+///
+/// How it runs, per optimizer step (gpu_mode::DistributedDataParallel::zero):
+/// 1. The gradient reducer all-reduces the gradients as in plain DDP, so every rank holds the
+///    whole averaged gradient: clipping by the local norm *is* the global norm, and fp16's
+///    overflow check agrees as before (nothing else in the loop changes).
+/// 2. step(): the user's optimizer steps with each param group narrowed to the parameters this
+///    rank owns (the groups are put back right after, so options, schedules and zero_grad()
+///    keep seeing every parameter). libtorch's optimizers make a parameter's state at its first
+///    step, so state for the others never exists on this rank.
+/// 3. Every owner broadcasts its updated parameters (ProcessGroup::broadcast: tensors of 256 KiB
+///    and more in place, the rest in one flat buffer), so no rank holds a second copy of the model.
+///
+/// Gradients travel as an all-reduce, not a reduce-scatter: libtorch 1.13's Gloo has no
+/// reduce_scatter (ProcessGroup::reduce_scatter_sum), and an all-reduce keeps every other feature
+/// (accumulation, clipping, comm hooks, exact uneven batches) unchanged. The bytes on the wire per
+/// step are DDP's plus one copy of the parameters; the memory saved is (W-1)/W of the state.
+///
+/// Checkpoints hold the whole state in libtorch's layout (gather_state() on save), so a ZeRO
+/// checkpoint resumes in plain DDP, single, dp, or ZeRO with another world size; loading any
+/// checkpoint loads the whole state and drop_state_of_others() keeps this rank's share.
+///
+/// Ownership: parameters sorted by element count, largest first, each to the rank holding the
+/// fewest elements so far (ties: the lower rank) — every rank's share is within one parameter of
+/// 1/W of the elements, and every rank computes the same owners from the same parameter list.
+
+#include <trainloop/distributed/process_group.hpp>
+#include <trainloop/error.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace trainloop::distributed {
+
+/// @brief Which rank owns each parameter of an optimizer, and the three collectives of ZeRO-1:
+/// step, gather of the whole state (for a checkpoint), and keeping one's share after a load.
+class ZeroOptimizerShard {
+ public:
+  /// @throws trainloop::ConfigurationError when `optimizer` keeps state that is not per parameter.
+  static void check_optimizer(const torch::optim::Optimizer& optimizer) {
+    // LBFGS keeps one state for all parameters (its history of directions), keyed by the first
+    // parameter: sharding it by parameter would split what cannot be split.
+    if (dynamic_cast<const torch::optim::LBFGS*>(&optimizer) != nullptr) {
+      throw ConfigurationError("trainloop: ZeRO is on with optimizer LBFGS, whose state is one history for all "
+                               "parameters, not per parameter; expected an optimizer with state per parameter "
+                               "(SGD, Adam, AdamW, Adagrad, RMSprop) or zero off");
+    }
+  }
+
+  /// Assigns every parameter of `optimizer` (its param groups in order) an owner among `world_size` ranks.
+  ZeroOptimizerShard(const torch::optim::Optimizer& optimizer, int rank, int world_size)
+      : rank_(rank), world_size_(world_size) {
+    check_optimizer(optimizer);
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& parameter : group.params()) parameters_.push_back(parameter);
+    }
+    std::vector<size_t> order(parameters_.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return parameters_[a].numel() > parameters_[b].numel(); });
+    elements_.assign(static_cast<size_t>(world_size_), 0);
+    owners_.assign(parameters_.size(), 0);
+    owned_by_.assign(static_cast<size_t>(world_size_), {});
+    for (size_t index : order) {
+      const auto least = std::min_element(elements_.begin(), elements_.end()) - elements_.begin();
+      owners_[index] = static_cast<int>(least);
+      elements_[static_cast<size_t>(least)] += parameters_[index].numel();
+    }
+    for (size_t i = 0; i < parameters_.size(); ++i) owned_by_[static_cast<size_t>(owners_[i])].push_back(parameters_[i]);
+  }
+
+  /// The rank that owns parameter `index` (param groups in order).
+  int owner(size_t index) const { return owners_.at(index); }
+  /// Elements of the parameters rank `r` owns.
+  int64_t owned_elements(int r) const { return elements_.at(static_cast<size_t>(r)); }
+
+  /// Steps this rank's parameters with `optimizer`, then every owner broadcasts its parameters.
+  /// A collective: every rank calls it after the same reduction.
+  void step(torch::optim::Optimizer& optimizer, ProcessGroup& group) {
+    check_same_parameters(optimizer);
+    {
+      NarrowedGroups narrowed(optimizer, *this);
+      optimizer.step();
+    }
+    for (int r = 0; r < world_size_; ++r) {
+      if (!owned_by_[static_cast<size_t>(r)].empty()) group.broadcast(owned_by_[static_cast<size_t>(r)], r);
+    }
+  }
+
+  /// Erases the state of every parameter this rank does not own (after loading a whole state).
+  void drop_state_of_others(torch::optim::Optimizer& optimizer) const {
+    auto& state = optimizer.state();
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      if (owners_[i] != rank_) state.erase(state_key(parameters_[i]));
+    }
+  }
+
+  /// A collective: every rank sends the state it owns to `root`, which adds it to its optimizer,
+  /// so that `root`'s optimizer holds the whole state (in libtorch's layout) until
+  /// release_gathered(). Only `root` ever holds more than its share, and only until then.
+  void gather_state(torch::optim::Optimizer& optimizer, ProcessGroup& group, int root) {
+    check_same_parameters(optimizer);
+    torch::serialize::OutputArchive mine;
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      auto found = optimizer.state().find(state_key(parameters_[i]));
+      if (owners_[i] != rank_ || found == optimizer.state().end()) continue;
+      torch::serialize::OutputArchive one;
+      found->second->serialize(one);
+      mine.write(std::to_string(i), one);
+    }
+    std::ostringstream stream;
+    if (rank_ != root) mine.save_to(stream);  // the root's own state stays where it is
+    const std::string bytes = stream.str();
+    torch::Tensor local = torch::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())},
+                                           torch::kUInt8);
+    const std::vector<torch::Tensor> received = gather_bytes(group, local, root);
+    for (int r = 0; r < world_size_ && rank_ == root; ++r) {
+      if (r == root || received[static_cast<size_t>(r)].numel() == 0) continue;
+      const torch::Tensor& from = received[static_cast<size_t>(r)];
+      torch::serialize::InputArchive archive;
+      archive.load_from(reinterpret_cast<const char*>(from.data_ptr<uint8_t>()), static_cast<size_t>(from.numel()),
+                        parameters_.front().device());
+      for (const auto& key : archive.keys()) {
+        const size_t index = std::stoull(key);
+        torch::serialize::InputArchive one;
+        archive.read(key, one);
+        std::unique_ptr<torch::optim::OptimizerParamState> state = new_param_state(optimizer);
+        state->serialize(one);
+        optimizer.state()[state_key(parameters_.at(index))] = std::move(state);
+        gathered_.push_back(index);
+      }
+    }
+  }
+
+  /// Erases what gather_state() added on the root (a no-op elsewhere).
+  void release_gathered(torch::optim::Optimizer& optimizer) noexcept {
+    for (size_t index : gathered_) optimizer.state().erase(state_key(parameters_[index]));
+    gathered_.clear();
+  }
+
+ private:
+  /// The optimizer's param groups narrowed to this rank's parameters while it lives.
+  class NarrowedGroups {
+   public:
+    NarrowedGroups(torch::optim::Optimizer& optimizer, const ZeroOptimizerShard& shard) : optimizer_(optimizer) {
+      size_t index = 0;
+      for (auto& group : optimizer_.param_groups()) {
+        std::vector<torch::Tensor> mine;
+        for (const auto& parameter : group.params()) {
+          if (shard.owners_[index++] == shard.rank_) mine.push_back(parameter);
+        }
+        saved_.push_back(std::move(group.params()));
+        group.params() = std::move(mine);
+      }
+    }
+    NarrowedGroups(const NarrowedGroups&) = delete;
+    NarrowedGroups& operator=(const NarrowedGroups&) = delete;
+    ~NarrowedGroups() {
+      auto& groups = optimizer_.param_groups();
+      for (size_t g = 0; g < saved_.size(); ++g) groups[g].params() = std::move(saved_[g]);
+    }
+
+   private:
+    torch::optim::Optimizer& optimizer_;
+    std::vector<std::vector<torch::Tensor>> saved_;
+  };
+
+  /// libtorch's key of a parameter's state (torch/optim/adam.cpp and the others).
+  static std::string state_key(const torch::Tensor& parameter) {
+    return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+  }
+
+  /// A parameter state of `optimizer`'s type, for the root to deserialize another rank's into.
+  static std::unique_ptr<torch::optim::OptimizerParamState> new_param_state(const torch::optim::Optimizer& optimizer) {
+    namespace optim = torch::optim;
+    if (dynamic_cast<const optim::AdamW*>(&optimizer)) return std::make_unique<optim::AdamWParamState>();
+    if (dynamic_cast<const optim::Adam*>(&optimizer)) return std::make_unique<optim::AdamParamState>();
+    if (dynamic_cast<const optim::SGD*>(&optimizer)) return std::make_unique<optim::SGDParamState>();
+    if (dynamic_cast<const optim::Adagrad*>(&optimizer)) return std::make_unique<optim::AdagradParamState>();
+    if (dynamic_cast<const optim::RMSprop*>(&optimizer)) return std::make_unique<optim::RMSpropParamState>();
+    // A user's optimizer: a copy of a state the root holds has its type (serialize() then overwrites it).
+    TRAINLOOP_CHECK(!optimizer.state().empty(), "ZeRO cannot gather the state of this optimizer on rank 0: its "
+                    "state type is not one of libtorch's and rank 0 holds none to copy; expected SGD, Adam, AdamW, "
+                    "Adagrad, RMSprop, or rank 0 owning a parameter with state");
+    return optimizer.state().begin()->second->clone();
+  }
+
+  /// Every rank's `local` bytes on `root` (lengths first; rows padded to the longest).
+  std::vector<torch::Tensor> gather_bytes(ProcessGroup& group, const torch::Tensor& local, int root) const {
+    const torch::Tensor lengths = group.all_gather(torch::full({1}, local.numel(), torch::kInt64)).reshape({-1});
+    const int64_t longest = lengths.max().item<int64_t>();
+    torch::Tensor padded = torch::zeros({longest}, torch::kUInt8);
+    padded.narrow(0, 0, local.numel()).copy_(local);
+    std::vector<torch::Tensor> rows = group.gather_to(padded, root);
+    for (size_t r = 0; r < rows.size(); ++r) rows[r] = rows[r].narrow(0, 0, lengths[static_cast<int64_t>(r)].item<int64_t>());
+    return rows;
+  }
+
+  /// The optimizer must still hold the parameters the owners were assigned for.
+  void check_same_parameters(const torch::optim::Optimizer& optimizer) const {
+    size_t index = 0;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& parameter : group.params()) {
+        TRAINLOOP_CHECK(index < parameters_.size() && parameter.is_same(parameters_[index]), "the optimizer's "
+                        "parameter ", index, " changed since ZeRO assigned its owners; expected the parameter groups "
+                        "the fit began with (add parameter groups between fit() calls)");
+        ++index;
+      }
+    }
+    TRAINLOOP_CHECK(index == parameters_.size(), "the optimizer holds ", index, " parameters and ZeRO assigned ",
+                    parameters_.size(), "; expected the parameter groups the fit began with");
+  }
+
+  int rank_ = 0;
+  int world_size_ = 1;
+  std::vector<torch::Tensor> parameters_;            // param groups in order
+  std::vector<int> owners_;                          // owner of parameters_[i]
+  std::vector<int64_t> elements_;                    // elements each rank owns
+  std::vector<std::vector<torch::Tensor>> owned_by_;  // each rank's parameters, in order
+  std::vector<size_t> gathered_;                     // what gather_state() added on the root
+};
+
+}  // namespace trainloop::distributed
