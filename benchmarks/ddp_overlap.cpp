@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
         tl::TrainLoop<DeepLinear, tl::gpu_mode::DistributedDataParallel> loop(
             net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), options, mode);
         auto history = loop.fit(2);
-        if (history.epochs.empty()) continue;  // in a rank: an earlier fit() call, skipped (run by its own launch)
+        if (!tl::is_main_process()) continue;  // a spawned rank passing an earlier fit(): only the launcher prints
         const auto& last = history.last();
         const double seconds_per_step = last.seconds / static_cast<double>(last.steps);
         step_seconds[overlap ? 1 : 0] = seconds_per_step;

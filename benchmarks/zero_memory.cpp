@@ -1,12 +1,13 @@
-// zero_memory: peak memory per rank of plain DDP vs ZeRO-1 (gpu_mode::DistributedDataParallel::zero)
-// for a ~100 M-parameter MLP trained with Adam, 2 CPU ranks (Gloo).
+// zero_memory: peak memory per rank of DDP with gradients copied into buckets, DDP with gradients
+// as bucket views (the default) and ZeRO-1 (gpu_mode::DistributedDataParallel::zero), for a
+// ~100 M-parameter MLP trained with Adam, 2 CPU ranks (Gloo).
 //
 //   zero_memory --repetitions 2 --layers 6 --width 4096 --batch-size 8 --steps 4
 //
 // Each fit() re-executes this program once per rank, so every fit's ranks are fresh processes and
 // their peak resident set (getrusage ru_maxrss) is that fit's alone. Each rank writes its peak and
 // its resident set when training began to --out; the launching process prints them. Repetitions
-// alternate which mode goes first. Also printed: the optimizer-state bytes the loop reports
+// rotate which configuration goes first. Also printed: the optimizer-state bytes the loop reports
 // (EpochRecord::optimizer_state_bytes, the rank holding the most) and the step time.
 // On CUDA the allocator's peak would be the figure to compare; this benchmark measures the CPU.
 
@@ -77,7 +78,7 @@ struct RecordMemory : tl::Callback {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"trainloop DDP vs ZeRO-1: peak memory per rank, ~100 M-parameter MLP, Adam"};
+  CLI::App app{"trainloop DDP (gradient copies, bucket views) vs ZeRO-1: peak memory per rank, ~100 M-parameter MLP, Adam"};
   int repetitions = 2, ranks = 2;
   int64_t layers = 6, width = 4096, batch_size = 8, steps = 4;
   std::string out = "/tmp/trainloop_zero_memory";
@@ -95,23 +96,31 @@ int main(int argc, char** argv) {
     auto x = torch::randn({samples, width}, at::detail::createCPUGenerator(1));
     auto y = torch::randint(0, 10, {samples}, at::detail::createCPUGenerator(2));
     tl::data::TensorDataset train(x, y, 10);
+    // ddp-copies: gradients copied into and out of the buckets (PyTorch DDP's default);
+    // ddp: gradients as bucket views (trainloop's default); zero: views and ZeRO-1.
+    const std::vector<std::string> configs{"ddp-copies", "ddp", "zero"};
     for (int rep = 0; rep < repetitions; ++rep) {
-      for (int k = 0; k < 2; ++k) {
-        const bool zero = ((rep + k) % 2) == 1;  // rep 0: ddp first; rep 1: zero first
-        const std::string label = std::string(zero ? "zero" : "ddp") + "_rep" + std::to_string(rep + 1);
+      for (size_t k = 0; k < configs.size(); ++k) {
+        const std::string& config = configs[(static_cast<size_t>(rep) + k) % configs.size()];  // rotated per repetition
+        const bool zero = config == "zero";
+        const std::string label = config + "_rep" + std::to_string(rep + 1);
         torch::manual_seed(0);
         DeepLinear net(layers, width, 10);
         int64_t parameters = 0;
         for (const auto& p : net->parameters()) parameters += p.numel();
         torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-4));
-        auto mode = tl::gpu_mode::DistributedDataParallel().procs_per_node(ranks).device_type(torch::kCPU).zero(zero);
+        auto mode = tl::gpu_mode::DistributedDataParallel()
+                        .procs_per_node(ranks)
+                        .device_type(torch::kCPU)
+                        .zero(zero)
+                        .gradient_as_bucket_view(config != "ddp-copies");
         tl::TrainLoop<DeepLinear, tl::gpu_mode::DistributedDataParallel> loop(
             net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(batch_size), mode);
         auto history = loop.fit(1, {std::make_shared<RecordMemory>(out, label)});
-        if (history.epochs.empty()) continue;  // in a rank: an earlier fit() call, skipped (run by its own launch)
+        if (!tl::is_main_process()) continue;  // a spawned rank passing an earlier fit(): only the launcher prints
         const auto& last = history.last();
-        std::printf("rep %d %-4s parameters %lld, optimizer state per rank %lld bytes, %.3f s per step\n", rep + 1,
-                    zero ? "zero" : "ddp", static_cast<long long>(parameters),
+        std::printf("rep %d %-10s parameters %lld, optimizer state per rank %lld bytes, %.3f s per step\n", rep + 1,
+                    config.c_str(), static_cast<long long>(parameters),
                     static_cast<long long>(last.optimizer_state_bytes), last.seconds / static_cast<double>(last.steps));
         for (int r = 0; r < ranks; ++r) {
           std::ifstream in(std::filesystem::path(out) / (label + "_rank" + std::to_string(r) + ".txt"));

@@ -352,6 +352,67 @@ BOOST_AUTO_TEST_CASE(no_sync_accumulates_locally_then_reduces_the_accumulated_gr
   }
 }
 
+BOOST_AUTO_TEST_CASE(gradients_kept_as_bucket_views_give_the_same_bits_as_copies) {
+  // Two copies of one model on every rank, one reducer keeping gradients as bucket views and one
+  // copying them, trained side by side: 4 SGD steps with momentum, each over 2 micro-batches.
+  for (int world : {2, 3}) {
+    BOOST_TEST_CONTEXT("world " << world) {
+      run_ranks(world, [](distributed::ProcessGroup& group) {
+        const int rank = group.rank();
+        Mlp views_model;
+        distributed::broadcast_module_state(*views_model, group);
+        Mlp copies_model = unhooked_copy(views_model, false);
+        auto copies_options = small_buckets();
+        copies_options.gradient_as_bucket_view = false;
+        distributed::GradientReducer views(*views_model, group, small_buckets());  // views: the default
+        distributed::GradientReducer copies(*copies_model, group, copies_options);
+        torch::optim::SGD views_optimizer(views_model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        torch::optim::SGD copies_optimizer(copies_model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        for (int step = 0; step < 4; ++step) {
+          for (auto [model, reducer] : {std::pair{&views_model, &views}, std::pair{&copies_model, &copies}}) {
+            {
+              auto guard = reducer->no_sync();
+              loss_on(*model, rank, step).backward();
+            }
+            loss_on(*model, rank, (step + 1) % 4).backward();
+            reducer->finalize();
+          }
+          const auto view_grads = grads_of(views_model), copy_grads = grads_of(copies_model);
+          for (std::size_t p = 0; p < view_grads.size(); ++p) RANK_TEST(torch::equal(view_grads[p], copy_grads[p]));
+          views_optimizer.step();
+          copies_optimizer.step();
+          views_optimizer.zero_grad();
+          copies_optimizer.zero_grad();
+        }
+        const auto view_params = views_model->parameters(), copy_params = copies_model->parameters();
+        for (std::size_t p = 0; p < view_params.size(); ++p) RANK_TEST(torch::equal(view_params[p], copy_params[p]));
+      });
+    }
+  }
+  // The gradients are the buckets' memory from the start, stay so through steps and in-place
+  // zero_grad(), and one reset by user code (zero_grad(set_to_none)) is pointed back at its slot.
+  run_ranks(2, [](distributed::ProcessGroup& group) {
+    Mlp model;
+    distributed::broadcast_module_state(*model, group);
+    distributed::GradientReducer reducer(*model, group, small_buckets());
+    const std::size_t count = reducer.parameters().size();
+    for (std::size_t i = 0; i < count; ++i) RANK_TEST(reducer.gradient_is_bucket_view(i));
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      loss_on(model, group.rank(), step).backward();
+      reducer.finalize();
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+    for (std::size_t i = 0; i < count; ++i) RANK_TEST(reducer.gradient_is_bucket_view(i));
+    model->fc2->weight.mutable_grad().reset();
+    loss_on(model, group.rank(), 2).backward();
+    RANK_TEST(!reducer.gradient_is_bucket_view(3));  // fc2.weight: backward made a new tensor for it
+    reducer.finalize();
+    for (std::size_t i = 0; i < count; ++i) RANK_TEST(reducer.gradient_is_bucket_view(i));
+  });
+}
+
 BOOST_AUTO_TEST_CASE(overlap_off_reduces_everything_in_finalize) {
   auto results = run_step(2, false, small_buckets(/*overlap=*/false));
   check_averaged(results);

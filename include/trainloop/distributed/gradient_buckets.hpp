@@ -50,6 +50,7 @@ struct ReducerState {
   std::vector<Slot> slots;
   std::vector<Bucket> buckets;
   std::vector<char> filled;  // per parameter, this step
+  std::vector<char> bucket_view;  // per parameter: its param.grad is kept as a view of its slot
   std::size_t next_to_launch = 0;
   std::vector<std::size_t> launch_order;       // this step
   std::size_t launched_from_hooks = 0;         // this step
@@ -71,13 +72,39 @@ struct ReducerState {
     launch_ready_buckets(/*from_hook=*/true);
   }
 
-  /// Copies param.grad (zeros when undefined) into its slot, scaled by 1/world. Caller holds the lock.
+  /// Whether `grad` is parameter `index`'s slot itself (a gradient kept as a bucket view).
+  bool is_slot(std::size_t index, const torch::Tensor& grad) const {
+    const Slot& slot = slots[index];
+    const torch::Tensor& flat = buckets[slot.bucket].flat;
+    return grad.defined() && grad.is_contiguous() && grad.numel() == slot.numel &&
+           grad.storage().is_alias_of(flat.storage()) && grad.storage_offset() == flat.storage_offset() + slot.offset;
+  }
+
+  /// Parameter `index`'s slot shaped as its gradient: a tensor that shares the bucket's storage,
+  /// made with set_() rather than as a view, so autograd sees a plain tensor (libtorch 1.13's
+  /// zero_grad() calls detach_(), which refuses views).
+  torch::Tensor slot_as_gradient(std::size_t index) const {
+    torch::NoGradGuard no_grad;
+    const Slot& slot = slots[index];
+    const torch::Tensor& flat = buckets[slot.bucket].flat;
+    const auto sizes = parameters[index].sizes();
+    std::vector<std::int64_t> strides(sizes.size(), 1);
+    for (std::size_t d = sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * std::max<std::int64_t>(sizes[d], 1);
+    torch::Tensor grad = torch::empty({0}, flat.options());
+    grad.set_(flat.storage(), flat.storage_offset() + slot.offset, sizes, strides);
+    return grad;
+  }
+
+  /// Copies param.grad (zeros when undefined) into its slot, scaled by 1/world; a gradient that
+  /// is its slot is only scaled. Caller holds the lock.
   void fill_slot(std::size_t index) {
     torch::NoGradGuard no_grad;
     const Slot& slot = slots[index];
     torch::Tensor view = buckets[slot.bucket].flat.narrow(0, slot.offset, slot.numel);
     const torch::Tensor& grad = parameters[index].grad();
-    if (grad.defined()) {
+    if (bucket_view[index] && is_slot(index, grad)) {
+      view.mul_(scale);
+    } else if (grad.defined()) {
       TRAINLOOP_CHECK(!grad.is_sparse(), "parameter #", index, " has a sparse gradient; expected dense gradients");
       view.copy_(grad.reshape({-1}));
       view.mul_(scale);

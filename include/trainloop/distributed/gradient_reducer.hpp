@@ -55,6 +55,14 @@ struct GradientReducerOptions {
   /// true: all-reduce buckets from the hooks, during backward. false: hooks are idle and
   /// finalize() does one pass of bucket all-reduces after backward (the no-overlap baseline).
   bool overlap = true;
+  /// Keep each contiguous parameter's `param.grad` as a view of its bucket slot (PyTorch DDP's
+  /// gradient_as_bucket_view): backward accumulates straight into the bucket, the all-reduce
+  /// averages in place, and a rank holds one copy of the gradients instead of two, with no copy
+  /// in or out. Results are bit for bit those of the copies (the same operations on the same
+  /// values). A non-contiguous parameter (a channels-last convolution weight) keeps its own
+  /// gradient: a slot is laid out contiguously. A gradient replaced or reset by user code is
+  /// copied in and pointed back at its slot by the next finalize().
+  bool gradient_as_bucket_view = true;
 };
 
 /// Averages gradients across the ranks of a ProcessGroup with bucketed, ordered, asynchronous
@@ -83,6 +91,7 @@ class GradientReducer {
       }
     }
     form_buckets(options);
+    if (options.gradient_as_bucket_view) point_gradients_at_buckets();
     attach_hooks();
   }
 
@@ -217,6 +226,12 @@ class GradientReducer {
   /// Number of buckets.
   std::size_t bucket_count() const { return state_->buckets.size(); }
 
+  /// Whether parameter `index` (of parameters()) has its gradient as a view of its bucket slot.
+  bool gradient_is_bucket_view(std::size_t index) const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->bucket_view.at(index) && state_->is_slot(index, state_->parameters.at(index).grad());
+  }
+
   /// For each bucket, in bucket (launch) order, the indices into parameters() it holds.
   std::vector<std::vector<std::size_t>> bucket_assignment() const {
     std::vector<std::vector<std::size_t>> assignment;
@@ -280,6 +295,7 @@ class GradientReducer {
 
     state_->slots.resize(parameters.size());
     state_->filled.assign(parameters.size(), 0);
+    state_->bucket_view.assign(parameters.size(), 0);
     for (auto& members : closed) {
       detail::ReducerState::Bucket bucket;
       std::int64_t numel = 0;
@@ -304,12 +320,34 @@ class GradientReducer {
     }
   }
 
-  /// Writes each bucket's averaged values back into param.grad. Caller holds the lock.
+  /// gradient_as_bucket_view: every contiguous parameter's grad becomes its slot, holding the
+  /// gradient it had (a rebuilt reducer keeps what was accumulated), or zeros.
+  void point_gradients_at_buckets() {
+    torch::NoGradGuard no_grad;
+    state_->bucket_view.assign(state_->parameters.size(), 0);
+    for (std::size_t i = 0; i < state_->parameters.size(); ++i) {
+      torch::Tensor& parameter = state_->parameters[i];
+      if (!parameter.is_contiguous() || parameter.is_sparse()) continue;
+      torch::Tensor& grad = parameter.mutable_grad();
+      if (grad.defined() && grad.is_sparse()) continue;
+      torch::Tensor slot = state_->slot_as_gradient(i);
+      if (grad.defined()) slot.copy_(grad);
+      grad = slot;
+      state_->bucket_view[i] = 1;
+    }
+  }
+
+  /// Writes each bucket's averaged values back into param.grad (a gradient kept as a bucket view
+  /// holds them already, or is pointed back at its slot). Caller holds the lock.
   void copy_results_to_grads() {
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < state_->parameters.size(); ++i) {
       const auto& slot = state_->slots[i];
       torch::Tensor& parameter = state_->parameters[i];
+      if (state_->bucket_view[i]) {
+        if (!state_->is_slot(i, parameter.grad())) parameter.mutable_grad() = state_->slot_as_gradient(i);
+        continue;
+      }
       torch::Tensor result = state_->buckets[slot.bucket].flat.narrow(0, slot.offset, slot.numel).view(parameter.sizes());
       torch::Tensor& grad = parameter.mutable_grad();
       if (grad.defined()) {

@@ -82,6 +82,9 @@ struct DistributedDataParallel {
   TORCH_ARG(int64_t, bucket_cap_bytes) = int64_t{25} << 20;
   /// All-reduce buckets during backward (true) or all after backward (false, for comparison).
   TORCH_ARG(bool, overlap) = true;
+  /// Keep gradients as views of the buckets (one copy of the gradients per rank, none copied in
+  /// or out; GradientReducerOptions::gradient_as_bucket_view). Off: the copies PyTorch's DDP makes by default.
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
   /// How gradient buckets travel: empty (the default) all-reduces them in their dtype; otherwise
   /// the factory makes each fit's hook — `distributed::comm_hook_named("fp16")` or `"bf16"`
   /// (distributed/compression_hooks.hpp) or a user's own GradientCommHook.
@@ -353,6 +356,7 @@ class DistributedDataParallelEngine {
     reducer_options.first_bucket_cap_bytes = mode_.first_bucket_cap_bytes();
     reducer_options.bucket_cap_bytes = mode_.bucket_cap_bytes();
     reducer_options.overlap = mode_.overlap();
+    reducer_options.gradient_as_bucket_view = mode_.gradient_as_bucket_view();
     reducer_.emplace(parameters_, *group_, reducer_options);
     if (comm_hook_) reducer_->set_comm_hook(comm_hook_);
     reduced_flags_ = flags;
