@@ -5,9 +5,11 @@
 //   zero_memory --repetitions 2 --layers 6 --width 4096 --batch-size 8 --steps 4
 //
 // Each fit() re-executes this program once per rank, so every fit's ranks are fresh processes and
-// their peak resident set (getrusage ru_maxrss) is that fit's alone. Each rank writes its peak and
-// its resident set when training began to --out; the launching process prints them. Repetitions
-// rotate which configuration goes first. Also printed: the optimizer-state bytes the loop reports
+// their peak resident set (getrusage ru_maxrss) is that fit's alone — but ranks of a later fit()
+// pass the earlier ones by loading their states, which raises their baseline: for figures to
+// compare, run one configuration per program (--config), as benchmarks/run_zero_memory.sh does,
+// interleaved. Each rank writes its peak and its resident set when training began to --out; the
+// launching process prints them. Repetitions rotate which configuration goes first. Also printed: the optimizer-state bytes the loop reports
 // (EpochRecord::optimizer_state_bytes, the rank holding the most) and the step time.
 // On CUDA the allocator's peak would be the figure to compare; this benchmark measures the CPU.
 
@@ -89,6 +91,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch_size, "per-rank batch size");
   app.add_option("--steps", steps, "optimizer steps");
   app.add_option("--out", out, "directory for the ranks' memory records");
+  std::string config_only = "all";
+  app.add_option("--config", config_only, "one configuration only (a fresh launcher per run: what run_zero_memory.sh does)")
+      ->check(CLI::IsMember({"all", "ddp-copies", "ddp", "zero"}));
   CLI11_PARSE(app, argc, argv);
   try {
     std::filesystem::create_directories(out);
@@ -98,7 +103,8 @@ int main(int argc, char** argv) {
     tl::data::TensorDataset train(x, y, 10);
     // ddp-copies: gradients copied into and out of the buckets (PyTorch DDP's default);
     // ddp: gradients as bucket views (trainloop's default); zero: views and ZeRO-1.
-    const std::vector<std::string> configs{"ddp-copies", "ddp", "zero"};
+    std::vector<std::string> configs{"ddp-copies", "ddp", "zero"};
+    if (config_only != "all") configs = {config_only};
     for (int rep = 0; rep < repetitions; ++rep) {
       for (size_t k = 0; k < configs.size(); ++k) {
         const std::string& config = configs[(static_cast<size_t>(rep) + k) % configs.size()];  // rotated per repetition

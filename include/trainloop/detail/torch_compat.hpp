@@ -82,11 +82,34 @@ using AutogradPostHook = ::torch::autograd::FunctionPostHook;
 
 #include <ATen/autocast_mode.h>
 #include <ATen/ATen.h>
+#include <c10/util/string_utils.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
 
 /// True when built against libtorch 2.4 or newer (per-device-type autocast functions).
 #define TRAINLOOP_TORCH_2_4 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
 
 namespace trainloop::detail {
+
+/// The key under which libtorch's optimizers keep `parameter`'s state in `state` (the map
+/// Optimizer::state() returns): the TensorImpl address, as a pointer printed by
+/// c10::guts::to_string in 1.13, as a decimal number in 2.x (tests/checkpoint_test_model.hpp, from
+/// a 2.x run), or the address itself should the map be keyed by it.
+template <class StateMap>
+auto optimizer_state_key(const StateMap& /*state*/, const at::Tensor& parameter) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+#if TRAINLOOP_TORCH_2
+    return std::to_string(reinterpret_cast<std::uintptr_t>(parameter.unsafeGetTensorImpl()));
+#else
+    return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+#endif
+  } else {
+    return static_cast<Key>(parameter.unsafeGetTensorImpl());
+  }
+}
 
 /// Whether autocast is on for `device` in this thread, and its lower-precision type.
 struct AutocastSetting {

@@ -65,6 +65,13 @@ class GradientCommHook {
   virtual std::int64_t bytes_sent(std::size_t /*index*/, const torch::Tensor& flat, int world_size) const {
     return ring_all_reduce_bytes(flat.numel() * static_cast<std::int64_t>(flat.element_size()), world_size);
   }
+  /// Writes what the hook carries from one step to the next (PowerSGD's Q and error feedback),
+  /// this rank's own: DDP checkpoints keep every rank's, so a resumed run with the same world size
+  /// continues where the interrupted one was. Called after on_buckets_formed(). The default: nothing.
+  virtual void save_state(torch::serialize::OutputArchive& /*archive*/) const {}
+  /// Reads what save_state() wrote on this rank, after on_buckets_formed() with the same layout.
+  /// @throws trainloop::CheckpointError when the saved state does not fit the buckets.
+  virtual void load_state(torch::serialize::InputArchive& /*archive*/) {}
 };
 
 }  // namespace trainloop::distributed

@@ -16,8 +16,9 @@
 ///
 /// Q starts from a seeded generator, the same on every rank. Two collectives per bucket run one
 /// after the other (P's result is needed for Q): launch() waits for P's all-reduce itself and
-/// returns the work of Q's (and of the uncompressed tensors'). Its state (Q, error) is per rank and
-/// is rebuilt when the reducer's buckets change; it is not yet part of checkpoints.
+/// returns the work of Q's (and of the uncompressed tensors'). Its state (the step count, Q and
+/// the error, per rank) is rebuilt when the reducer's buckets change, and is in DDP's checkpoints
+/// (save_state / load_state), so a resumed run equals an uninterrupted one.
 
 #include <trainloop/distributed/gradient_comm_hook.hpp>
 #include <trainloop/distributed/process_group.hpp>
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace trainloop::distributed {
@@ -173,6 +175,42 @@ class PowerSgdHook : public GradientCommHook {
   /// The bytes of the last launch of bucket `index`: P, Q and the whole tensors, or the bucket.
   std::int64_t bytes_sent(std::size_t index, const torch::Tensor& /*flat*/, int /*world_size*/) const override {
     return buckets_.at(index).sent;
+  }
+
+  /// The step count, and each compressed matrix's Q and error once it has them ("b<bucket>m<k>q", "...e").
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    archive.write("steps", torch::full({1}, steps_, torch::kInt64));
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      for (std::size_t k = 0; k < buckets_[b].matrices.size(); ++k) {
+        const Matrix& mat = buckets_[b].matrices[k];
+        if (!mat.error.defined()) continue;
+        const std::string key = ::trainloop::detail::concat("b", b, "m", k);  // concat: GCC 12 warns (-Wrestrict) on "b" + to_string
+        archive.write(key + "q", mat.q);
+        archive.write(key + "e", mat.error);
+      }
+    }
+  }
+  /// Restores what save_state() wrote; a matrix without saved state starts afresh, as it would have.
+  void load_state(torch::serialize::InputArchive& archive) override {
+    torch::Tensor steps;
+    if (!archive.try_read("steps", steps)) return;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      for (std::size_t k = 0; k < buckets_[b].matrices.size(); ++k) {
+        Matrix& mat = buckets_[b].matrices[k];
+        const std::string key = ::trainloop::detail::concat("b", b, "m", k);  // concat: GCC 12 warns (-Wrestrict) on "b" + to_string
+        torch::Tensor q, error;
+        if (!archive.try_read(key + "q", q) || !archive.try_read(key + "e", error)) continue;
+        if (q.sizes() != torch::IntArrayRef{mat.m, mat.r} || error.sizes() != torch::IntArrayRef{mat.n, mat.m}) {
+          throw CheckpointError(::trainloop::detail::concat(
+              "trainloop: PowerSGD state of bucket ", b, " matrix ", k, " has Q ", q.sizes(), " and error ",
+              error.sizes(), " in the checkpoint; expected [", mat.m, ", ", mat.r, "] and [", mat.n, ", ", mat.m,
+              "] (the same model, buckets and PowerSGD rank)"));
+        }
+        mat.q = q;
+        mat.error = error;
+      }
+    }
+    steps_ = steps.item<std::int64_t>();
   }
 
  private:

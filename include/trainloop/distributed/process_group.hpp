@@ -163,6 +163,21 @@ class ProcessGroup {
     return rows;
   }
 
+  /// Every rank's `local` (1-D, any length, the same dtype on every rank) on `root` only, cut to
+  /// its length; an empty list on the other ranks. Lengths travel first (an all-gather of one
+  /// number per rank), then the rows padded to the longest (gather_to).
+  std::vector<torch::Tensor> gather_rows_to(const torch::Tensor& local, int root) {
+    const torch::Tensor lengths = all_gather(torch::full({1}, local.numel(), torch::kInt64)).reshape({-1}).to(torch::kCPU);
+    const std::int64_t longest = lengths.max().item<std::int64_t>();
+    torch::Tensor padded = torch::zeros({longest}, local.options().device(torch::kCPU));
+    padded.narrow(0, 0, local.numel()).copy_(local.reshape({-1}).to(torch::kCPU));
+    std::vector<torch::Tensor> rows = gather_to(padded, root);
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      rows[r] = rows[r].narrow(0, 0, lengths[static_cast<std::int64_t>(r)].item<std::int64_t>());
+    }
+    return rows;
+  }
+
   /// Sums `input` over all ranks and leaves this rank's share of the sum in `output`: `input`
   /// holds world_size() equal chunks of output.numel() elements, and rank r receives the sum of
   /// every rank's chunk r (a sharded optimizer's gradient step). NCCL, and Gloo in libtorch 2.x,

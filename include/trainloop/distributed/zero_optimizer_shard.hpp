@@ -28,6 +28,7 @@
 /// fewest elements so far (ties: the lower rank) — every rank's share is within one parameter of
 /// 1/W of the elements, and every rank computes the same owners from the same parameter list.
 
+#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/distributed/process_group.hpp>
 #include <trainloop/error.hpp>
 
@@ -102,7 +103,7 @@ class ZeroOptimizerShard {
   void drop_state_of_others(torch::optim::Optimizer& optimizer) const {
     auto& state = optimizer.state();
     for (size_t i = 0; i < parameters_.size(); ++i) {
-      if (owners_[i] != rank_) state.erase(state_key(parameters_[i]));
+      if (owners_[i] != rank_) state.erase(::trainloop::detail::optimizer_state_key(state, parameters_[i]));
     }
   }
 
@@ -113,7 +114,7 @@ class ZeroOptimizerShard {
     check_same_parameters(optimizer);
     torch::serialize::OutputArchive mine;
     for (size_t i = 0; i < parameters_.size(); ++i) {
-      auto found = optimizer.state().find(state_key(parameters_[i]));
+      auto found = optimizer.state().find(::trainloop::detail::optimizer_state_key(optimizer.state(), parameters_[i]));
       if (owners_[i] != rank_ || found == optimizer.state().end()) continue;
       torch::serialize::OutputArchive one;
       found->second->serialize(one);
@@ -124,7 +125,7 @@ class ZeroOptimizerShard {
     const std::string bytes = stream.str();
     torch::Tensor local = torch::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())},
                                            torch::kUInt8);
-    const std::vector<torch::Tensor> received = gather_bytes(group, local, root);
+    const std::vector<torch::Tensor> received = group.gather_rows_to(local, root);
     for (int r = 0; r < world_size_ && rank_ == root; ++r) {
       if (r == root || received[static_cast<size_t>(r)].numel() == 0) continue;
       const torch::Tensor& from = received[static_cast<size_t>(r)];
@@ -137,7 +138,7 @@ class ZeroOptimizerShard {
         archive.read(key, one);
         std::unique_ptr<torch::optim::OptimizerParamState> state = new_param_state(optimizer);
         state->serialize(one);
-        optimizer.state()[state_key(parameters_.at(index))] = std::move(state);
+        optimizer.state()[::trainloop::detail::optimizer_state_key(optimizer.state(), parameters_.at(index))] = std::move(state);
         gathered_.push_back(index);
       }
     }
@@ -145,7 +146,9 @@ class ZeroOptimizerShard {
 
   /// Erases what gather_state() added on the root (a no-op elsewhere).
   void release_gathered(torch::optim::Optimizer& optimizer) noexcept {
-    for (size_t index : gathered_) optimizer.state().erase(state_key(parameters_[index]));
+    for (size_t index : gathered_) {
+      optimizer.state().erase(::trainloop::detail::optimizer_state_key(optimizer.state(), parameters_[index]));
+    }
     gathered_.clear();
   }
 
@@ -176,10 +179,6 @@ class ZeroOptimizerShard {
     std::vector<std::vector<torch::Tensor>> saved_;
   };
 
-  /// libtorch's key of a parameter's state (torch/optim/adam.cpp and the others).
-  static std::string state_key(const torch::Tensor& parameter) {
-    return c10::guts::to_string(parameter.unsafeGetTensorImpl());
-  }
 
   /// A parameter state of `optimizer`'s type, for the root to deserialize another rank's into.
   static std::unique_ptr<torch::optim::OptimizerParamState> new_param_state(const torch::optim::Optimizer& optimizer) {
@@ -194,17 +193,6 @@ class ZeroOptimizerShard {
                     "state type is not one of libtorch's and rank 0 holds none to copy; expected SGD, Adam, AdamW, "
                     "Adagrad, RMSprop, or rank 0 owning a parameter with state");
     return optimizer.state().begin()->second->clone();
-  }
-
-  /// Every rank's `local` bytes on `root` (lengths first; rows padded to the longest).
-  std::vector<torch::Tensor> gather_bytes(ProcessGroup& group, const torch::Tensor& local, int root) const {
-    const torch::Tensor lengths = group.all_gather(torch::full({1}, local.numel(), torch::kInt64)).reshape({-1});
-    const int64_t longest = lengths.max().item<int64_t>();
-    torch::Tensor padded = torch::zeros({longest}, torch::kUInt8);
-    padded.narrow(0, 0, local.numel()).copy_(local);
-    std::vector<torch::Tensor> rows = group.gather_to(padded, root);
-    for (size_t r = 0; r < rows.size(); ++r) rows[r] = rows[r].narrow(0, 0, lengths[static_cast<int64_t>(r)].item<int64_t>());
-    return rows;
   }
 
   /// The optimizer must still hold the parameters the owners were assigned for.

@@ -14,6 +14,7 @@
 ///   when its fit() is done: the program after fit() runs once, in the launching process.
 
 #include <trainloop/distributed/comm_hook_choice.hpp>
+#include <trainloop/distributed/ddp_checkpoint_state.hpp>
 #include <trainloop/distributed/gradient_reducer.hpp>
 #include <trainloop/distributed/launcher.hpp>
 #include <trainloop/distributed/model_sync.hpp>
@@ -28,7 +29,6 @@
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
-#include <trainloop/optim/optimizer_state.hpp>
 
 #include <torch/torch.h>
 
@@ -262,30 +262,15 @@ class DistributedDataParallelEngine {
       optimizer.step();
     }
   }
-  /// A checkpoint's optimizer part in libtorch's layout. Under ZeRO a collective: each writing
-  /// rank (rank 0; with spawned ranks on several machines, each machine's local rank 0) gathers
-  /// every rank's share, writes the whole state and lets go of it.
+  /// A checkpoint's optimizer part in libtorch's layout, plus this fit's comm hook state; a
+  /// collective under ZeRO or with a hook (distributed/ddp_checkpoint_state.hpp).
   void save_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive, bool writes) {
-    if (!zero_ || !group_) {
-      if (writes) detail::save_optimizer_state(optimizer, archive);
-      return;
-    }
-    const torch::Tensor writers = group_->all_gather(torch::full({1}, writes ? 1 : 0, torch::kInt64)).reshape({-1});
-    for (int root = 0; root < group_->world_size(); ++root) {
-      if (writers[root].item<int64_t>() == 0) continue;
-      struct Release {
-        distributed::ZeroOptimizerShard& shard;
-        torch::optim::Optimizer& optimizer;
-        ~Release() { shard.release_gathered(optimizer); }
-      } release{*zero_, optimizer};
-      zero_->gather_state(optimizer, *group_, root);
-      if (root == group_->rank()) detail::save_optimizer_state(optimizer, archive);
-    }
+    distributed::save_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive, writes);
   }
-  /// Loads a whole state (any mode's checkpoint); under ZeRO this rank keeps its share.
+  /// Loads a whole state (any mode's checkpoint): under ZeRO this rank keeps its share, and this
+  /// fit's comm hook gets its rank's state back (distributed/ddp_checkpoint_state.hpp).
   void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
-    detail::load_optimizer_state(optimizer, archive);
-    if (zero_) zero_->drop_state_of_others(optimizer);
+    distributed::load_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive, device_);
   }
 
   template <class Batch, class Forward, class Sink>
