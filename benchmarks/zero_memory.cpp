@@ -16,6 +16,8 @@
 #include <trainloop/gpu_mode/distributed_data_parallel.hpp>
 #include <trainloop/trainloop.hpp>
 
+#include "deep_linear.hpp"
+
 #include <CLI/CLI.hpp>
 #include <sys/resource.h>
 
@@ -28,22 +30,6 @@
 #include <vector>
 
 namespace tl = trainloop;
-
-struct DeepLinearImpl : torch::nn::Module {
-  DeepLinearImpl(int64_t layers, int64_t width, int64_t classes) {
-    for (int64_t i = 0; i < layers; ++i) {
-      hidden.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(width, width)));
-    }
-    head = register_module("head", torch::nn::Linear(width, classes));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& layer : hidden) x = torch::relu(layer(x));
-    return head(x);
-  }
-  std::vector<torch::nn::Linear> hidden;
-  torch::nn::Linear head{nullptr};
-};
-TORCH_MODULE(DeepLinear);
 
 namespace {
 

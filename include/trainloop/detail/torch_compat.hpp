@@ -83,6 +83,7 @@ using AutogradPostHook = ::torch::autograd::FunctionPostHook;
 #include <ATen/autocast_mode.h>
 #include <ATen/ATen.h>
 #include <c10/util/string_utils.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <string>
@@ -92,6 +93,17 @@ using AutogradPostHook = ::torch::autograd::FunctionPostHook;
 #define TRAINLOOP_TORCH_2_4 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
 
 namespace trainloop::detail {
+
+/// Zeroes `optimizer`'s gradients in place, keeping the tensors: libtorch 1.13's only behaviour;
+/// 2.x's zero_grad() sets them to none by default, which would drop gradients kept as views of
+/// DDP's buckets every step (distributed/gradient_reducer.hpp) and allocate them anew in backward.
+inline void zero_grad_in_place(torch::optim::Optimizer& optimizer) {
+#if TRAINLOOP_TORCH_2
+  optimizer.zero_grad(/*set_to_none=*/false);
+#else
+  optimizer.zero_grad();
+#endif
+}
 
 /// The key under which libtorch's optimizers keep `parameter`'s state in `state` (the map
 /// Optimizer::state() returns): the TensorImpl address, as a pointer printed by
