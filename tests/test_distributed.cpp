@@ -786,6 +786,19 @@ BOOST_AUTO_TEST_CASE(zero_owners_balance_the_elements_and_bad_settings_are_named
     BOOST_TEST(total == kMlpParameters);  // every parameter has exactly one owner
     BOOST_TEST(most * world - kMlpParameters <= kMlpLargest * world);  // within one parameter of 1/W
   }
+  // A tensor listed twice (tied weights) has one owner, one state, and counts once.
+  std::vector<torch::Tensor> tied = net->parameters();
+  tied.push_back(net->fc2->weight);
+  torch::optim::Adam tied_adam(tied, torch::optim::AdamOptions(0.01));
+  for (int world : {2, 3}) {
+    int64_t total = 0;
+    for (int r = 0; r < world; ++r) total += tl::distributed::ZeroOptimizerShard(tied_adam, r, world).owned_elements(r);
+    BOOST_TEST(total == kMlpParameters);
+    tl::distributed::ZeroOptimizerShard shard(tied_adam, 1, world);
+    BOOST_TEST(shard.owner(6) == shard.owner(2));
+    BOOST_TEST(shard.same_parameters(tied_adam));
+    BOOST_TEST(!shard.same_parameters(adam));
+  }
   torch::optim::LBFGS lbfgs(net->parameters(), torch::optim::LBFGSOptions(0.1));
   try {
     tl::distributed::ZeroOptimizerShard::check_optimizer(lbfgs);

@@ -72,7 +72,8 @@ inline void save_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* ze
   }
 }
 
-/// Loads a whole optimizer state (any mode's checkpoint); under ZeRO this rank keeps its share.
+/// Loads a whole optimizer state (any mode's checkpoint); under ZeRO this rank keeps its share
+/// (the whole state is read first: the checkpoint reader loads every tensor of the file).
 /// `hook` gets this rank's saved state back when the checkpoint was written by as many ranks;
 /// with another world size, or none saved, it starts afresh (as the first fit did).
 inline void load_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* zero, GradientCommHook* hook,
@@ -87,6 +88,7 @@ inline void load_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* ze
       !hooks.try_read("rank" + std::to_string(group->rank()), bytes)) {
     return;
   }
+  bytes = bytes.to(torch::kCPU).contiguous();  // the checkpoint reader put it on the model's device
   torch::serialize::InputArchive state;
   state.load_from(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()), static_cast<std::size_t>(bytes.numel()),
                   device);

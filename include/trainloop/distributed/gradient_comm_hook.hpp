@@ -69,8 +69,8 @@ class GradientCommHook {
   /// this rank's own: DDP checkpoints keep every rank's, so a resumed run with the same world size
   /// continues where the interrupted one was. Called after on_buckets_formed(). The default: nothing.
   virtual void save_state(torch::serialize::OutputArchive& /*archive*/) const {}
-  /// Reads what save_state() wrote on this rank, after on_buckets_formed() with the same layout.
-  /// @throws trainloop::CheckpointError when the saved state does not fit the buckets.
+  /// Reads what save_state() wrote on this rank, after on_buckets_formed(). A state that does
+  /// not fit the buckets formed now is best ignored (the hook starts afresh, as in a new run).
   virtual void load_state(torch::serialize::InputArchive& /*archive*/) {}
 };
 

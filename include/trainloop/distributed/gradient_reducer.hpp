@@ -8,16 +8,21 @@
 /// - Parameters are packed into flat buckets in *reverse* registration order (gradients of the
 ///   last layers arrive first in backward), one bucket per dtype/device at a time; the first
 ///   bucket is small (~1 MiB) so communication starts early, the rest ~25 MiB.
+/// - Each contiguous parameter's `param.grad` *is* its slot of the bucket (gradient_as_bucket_view,
+///   the default: the constructor points every grad there, keeping its values), so backward
+///   accumulates into the bucket itself. With gradient_as_bucket_view off, grads are tensors of
+///   their own and the slot receives a copy.
 /// - A post-hook on each parameter's gradient accumulator (the AccumulateGrad node) runs right
-///   after `param.grad` has been accumulated; it copies the gradient into its slot of the bucket,
-///   pre-multiplied by 1/world_size. (`Tensor::register_hook` would not do: it sees the incoming
-///   gradient *before* accumulation, so grad-accumulation steps would be lost.)
+///   after `param.grad` has been accumulated; it multiplies the slot by 1/world_size (copying the
+///   gradient in first where the grad is not the slot). (`Tensor::register_hook` would not do: it
+///   sees the incoming gradient *before* accumulation, so grad-accumulation steps would be lost.)
 /// - A bucket whose slots are all filled is all-reduced (SUM, asynchronously) while backward goes
 ///   on — but strictly in bucket order: bucket k starts only after buckets 0..k-1, so every rank
 ///   issues the same collectives in the same order even when gradients arrive in another order.
 /// - finalize(), after backward and before the optimizer step, fills the slots whose hook did not
 ///   run (parameters unused this step: their current grad, or zeros), launches the remaining
-///   buckets, waits, and writes the averages back into every `param.grad`.
+///   buckets, waits, and leaves the averages in every `param.grad` (a grad that is its slot holds
+///   them already; another is pointed at its slot, or, with views off, receives a copy).
 ///
 /// The reducer keeps the accumulator nodes alive (autograd holds them only weakly, and a new
 /// node would not carry our hook). Hooks hold the shared state weakly and the destructor removes
@@ -113,8 +118,8 @@ class GradientReducer {
 
   /// Completes this step's reduction: fills slots of parameters whose hook did not run (their
   /// current grad, zeros if undefined), launches the remaining buckets in order, waits for all,
-  /// and writes the average into each param.grad (creating it where undefined), so every rank
-  /// ends with identical gradients. Call after backward, before the optimizer step, on every rank.
+  /// and leaves the average in each param.grad (its slot, or a copy where views are off), so
+  /// every rank ends with identical gradients. Call after backward, before the optimizer step, on every rank.
   /// Does nothing while sync is disabled (gradients keep accumulating locally).
   void finalize() {
     std::unique_lock<std::mutex> lock(state_->mutex);

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -190,10 +191,17 @@ class PowerSgdHook : public GradientCommHook {
       }
     }
   }
-  /// Restores what save_state() wrote; a matrix without saved state starts afresh, as it would have.
+  /// Restores what save_state() wrote; a matrix without saved state starts afresh, as it would
+  /// have. A state that does not fit these buckets (another model, bucket cap, trainable set or
+  /// PowerSGD rank) is not applied at all: PowerSGD starts afresh, with a warning.
   void load_state(torch::serialize::InputArchive& archive) override {
     torch::Tensor steps;
     if (!archive.try_read("steps", steps)) return;
+    struct Loaded {
+      Matrix* matrix;
+      torch::Tensor q, error;
+    };
+    std::vector<Loaded> loaded;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       for (std::size_t k = 0; k < buckets_[b].matrices.size(); ++k) {
         Matrix& mat = buckets_[b].matrices[k];
@@ -201,14 +209,17 @@ class PowerSgdHook : public GradientCommHook {
         torch::Tensor q, error;
         if (!archive.try_read(key + "q", q) || !archive.try_read(key + "e", error)) continue;
         if (q.sizes() != torch::IntArrayRef{mat.m, mat.r} || error.sizes() != torch::IntArrayRef{mat.n, mat.m}) {
-          throw CheckpointError(::trainloop::detail::concat(
-              "trainloop: PowerSGD state of bucket ", b, " matrix ", k, " has Q ", q.sizes(), " and error ",
-              error.sizes(), " in the checkpoint; expected [", mat.m, ", ", mat.r, "] and [", mat.n, ", ", mat.m,
-              "] (the same model, buckets and PowerSGD rank)"));
+          std::cerr << "trainloop: warning: the PowerSGD state in the checkpoint does not fit this run (bucket " << b
+                    << " matrix " << k << ": Q " << q.sizes() << ", error " << error.sizes() << "; expected [" << mat.m
+                    << ", " << mat.r << "] and [" << mat.n << ", " << mat.m << "]); PowerSGD starts afresh\n";
+          return;
         }
-        mat.q = q;
-        mat.error = error;
+        loaded.push_back({&mat, q, error});
       }
+    }
+    for (auto& entry : loaded) {
+      entry.matrix->q = entry.q;
+      entry.matrix->error = entry.error;
     }
     steps_ = steps.item<std::int64_t>();
   }

@@ -32,6 +32,9 @@
 /// batches (TrainLoopOptions::exact_uneven_batches, loop/epoch_batch_plan.hpp); without it
 /// training shards are padded with repeated samples, as PyTorch's DistributedSampler does.
 ///
+/// A mode may define `zero_grad(optimizer)` to clear gradients its own way after each step (DDP
+/// keeps the tensors, which are views of its buckets); the loop calls `optimizer.zero_grad()` otherwise.
+///
 /// A mode whose ranks hold parts of the gradients or optimizer state (ZeRO, FSDP) also defines
 /// the optional members of engine/sharded_state.hpp: clip_grad_norm (the norm over every rank),
 /// save_optimizer_state and load_optimizer_state (what each rank's checkpoint part is).

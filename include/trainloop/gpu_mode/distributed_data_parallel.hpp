@@ -24,6 +24,7 @@
 #include <trainloop/distributed/spawn_relay.hpp>
 #include <trainloop/distributed/zero_optimizer_shard.hpp>
 #include <trainloop/cpu/threads.hpp>
+#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
@@ -201,9 +202,13 @@ class DistributedDataParallelEngine {
     TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
     prepare();
     distributed::broadcast_module_state(*module_, *group_);
-    zero_.reset();
     if (mode_.zero()) {
       distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+      // Joined ranks (torchrun...) keep only their share after a ZeRO fit: new owners would lose it.
+      TRAINLOOP_CHECK(!zero_ || zero_->same_parameters(optimizer), "the optimizer's parameters changed since the "
+                      "last ZeRO fit, and each rank holds only the state of its share of the old ones; expected the "
+                      "same parameter groups in every ZeRO fit of this loop (or a checkpoint written before the "
+                      "change, which holds the whole state, resumed by a new loop)");
       if (group_->world_size() > 1) {
         zero_.emplace(optimizer, group_->rank(), group_->world_size());
         zero_->drop_state_of_others(optimizer);  // a whole state loaded before this fit keeps this rank's share
@@ -262,6 +267,9 @@ class DistributedDataParallelEngine {
       optimizer.step();
     }
   }
+  /// Zeroes the gradients keeping their tensors (in libtorch 2.x too, whose default sets them to
+  /// none): gradients kept as bucket views stay views.
+  void zero_grad(torch::optim::Optimizer& optimizer) { detail::zero_grad_in_place(optimizer); }
   /// A checkpoint's optimizer part in libtorch's layout, plus this fit's comm hook state; a
   /// collective under ZeRO or with a hook (distributed/ddp_checkpoint_state.hpp).
   void save_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive, bool writes) {

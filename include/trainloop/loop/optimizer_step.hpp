@@ -4,7 +4,6 @@
 /// unscale and agreed skip, clipping, the callbacks' last look, the step, the scaler's update.
 
 #include <trainloop/callbacks/callback.hpp>
-#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/engine/sharded_state.hpp>
 #include <trainloop/optim/hyperparameters.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
@@ -39,7 +38,11 @@ StepHyperparameters optimizer_step(Engine& engine, Module& module, torch::optim:
     state.skipped_steps = scaler->skipped_steps();
   }
   engine.after_optimizer_step();
-  zero_grad_in_place(optimizer);  // detail/torch_compat.hpp: the same in 1.13 and 2.x
+  if constexpr (requires { engine.zero_grad(optimizer); }) {
+    engine.zero_grad(optimizer);  // DDP keeps the tensors (gradients as bucket views)
+  } else {
+    optimizer.zero_grad();
+  }
   return used;
 }
 
