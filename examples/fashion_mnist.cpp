@@ -158,7 +158,15 @@ int main(int argc, char** argv) {
     std::cout << mode.name() << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss << ", "
               << result.samples << " test images) after " << history.epochs.size() << " epochs, "
               << seconds << " s of training" << (history.stop_reason.empty() ? "" : " (" + history.stop_reason + ")") << '\n';
-    std::cout << "optimizer state per rank: " << history.last().optimizer_state_bytes << " bytes\n";
+    // The most any rank holds, then each rank's (ZeRO splits the state; without it every rank holds it all).
+    const auto& by_rank = history.last().optimizer_state_bytes_by_rank;
+    std::cout << "optimizer state per rank: " << history.last().optimizer_state_bytes << " bytes";
+    if (by_rank.size() > 1) {
+      std::cout << " (";
+      for (size_t r = 0; r < by_rank.size(); ++r) std::cout << (r > 0 ? ", " : "") << "rank " << r << ": " << by_rank[r];
+      std::cout << ')';
+    }
+    std::cout << '\n';
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << '\n';

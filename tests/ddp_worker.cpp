@@ -22,6 +22,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <numeric>
 #include <iostream>
 #include <thread>
 #include <sys/wait.h>
@@ -369,7 +370,10 @@ int main(int argc, char** argv) {
           << "\nlocal_val_accuracy " << check.metrics.at("accuracy") << "\ntrain_samples " << history.last().samples
           << "\nlowered " << lowered << "\nlr " << optimizer.param_groups()[0].options().get_lr()
           << "\nlast_epoch " << history.last().epoch << "\ncounted " << (counter ? counter->steps : -1)
-          << "\noptimizer_state_bytes " << history.last().optimizer_state_bytes << "\n";
+          << "\noptimizer_state_bytes " << history.last().optimizer_state_bytes << "\noptimizer_state_bytes_total "
+          << std::accumulate(history.last().optimizer_state_bytes_by_rank.begin(),
+                             history.last().optimizer_state_bytes_by_rank.end(), int64_t{0})
+          << "\noptimizer_state_ranks " << history.last().optimizer_state_bytes_by_rank.size() << "\n";
     }
     return 0;
   } catch (const c10::OutOfMemoryError& e) {

@@ -851,6 +851,10 @@ BOOST_AUTO_TEST_CASE(zero_with_adam_equals_plain_ddp_and_each_rank_holds_a_share
                                 << " bytes, zero " << zero.result["optimizer_state_bytes"] << " bytes");
     BOOST_TEST(zero.result["optimizer_state_bytes"] >= whole / world);
     BOOST_TEST(zero.result["optimizer_state_bytes"] <= whole / world + 2 * 4 * kMlpLargest);
+    // Every rank's bytes reach the History: under ZeRO each parameter's state is on exactly one rank.
+    BOOST_TEST(zero.result["optimizer_state_ranks"] == world);
+    BOOST_TEST(zero.result["optimizer_state_bytes_total"] == whole);
+    BOOST_TEST(ddp.result["optimizer_state_bytes_total"] == whole * world);
     for (auto* run : {&ddp, &zero}) fs::remove_all(run->dir);
     fs::remove_all(dir);
   }

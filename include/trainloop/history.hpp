@@ -36,6 +36,8 @@ struct EpochRecord {
   /// at the epoch's end: the whole state without ZeRO, about 1/W of it with
   /// (gpu_mode::DistributedDataParallel::zero; optimizer_state_bytes()).
   int64_t optimizer_state_bytes = 0;
+  /// Each rank's bytes of optimizer state at the epoch's end, in rank order (one entry without DDP).
+  std::vector<int64_t> optimizer_state_bytes_by_rank;
 };
 
 /// @brief One optimizer step, recorded when TrainLoopOptions::record_steps is on.

@@ -25,6 +25,12 @@ inline std::string history_to_text(const History& history) {
         << "\toptimizer_state_bytes\t" << e.optimizer_state_bytes
         << "\tlr\t" << e.learning_rate;
     if (e.momentum) out << "\tmomentum\t" << *e.momentum;
+    if (!e.optimizer_state_bytes_by_rank.empty()) {
+      out << "\toptimizer_state_bytes_by_rank\t";
+      for (size_t r = 0; r < e.optimizer_state_bytes_by_rank.size(); ++r) {
+        out << (r > 0 ? "," : "") << e.optimizer_state_bytes_by_rank[r];
+      }
+    }
     for (const auto& [name, value] : e.train_metrics) out << "\ttrain:" << name << '\t' << value;
     if (e.validation) {
       out << "\tval_loss\t" << e.validation->loss << "\tval_samples\t" << e.validation->samples;
@@ -73,6 +79,10 @@ inline History history_from_text(const std::string& text) {
       else if (key == "samples_per_second") record.samples_per_second = std::stod(value);
       else if (key == "data_wait_seconds") record.data_wait_seconds = std::stod(value);  // absent in older files: 0
       else if (key == "optimizer_state_bytes") record.optimizer_state_bytes = std::stoll(value);  // older files: 0
+      else if (key == "optimizer_state_bytes_by_rank") {
+        std::istringstream ranks(value);
+        for (std::string bytes; std::getline(ranks, bytes, ',');) record.optimizer_state_bytes_by_rank.push_back(std::stoll(bytes));
+      }
       else if (key == "lr") record.learning_rate = std::stod(value);
       else if (key == "momentum") record.momentum = std::stod(value);
       else if (key.rfind("train:", 0) == 0) record.train_metrics[key.substr(6)] = std::stod(value);

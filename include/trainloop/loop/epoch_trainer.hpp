@@ -212,9 +212,13 @@ class EpochTrainer {
     record.samples_per_second = record.seconds > 0 ? static_cast<double>(record.samples) / record.seconds : 0.0;
     record.learning_rate = step_lr;
     record.momentum = step_momentum;
-    // The most any rank holds (under ZeRO the shares differ by up to one parameter).
+    // Every rank's, and the most any rank holds (under ZeRO the shares differ by up to one parameter).
     const torch::Tensor state_bytes = torch::full({1}, optimizer_state_bytes(optimizer_), torch::kInt64);
-    record.optimizer_state_bytes = engine.all_gather(state_bytes).max().template item<int64_t>();
+    const torch::Tensor by_rank = engine.all_gather(state_bytes).to(torch::kCPU).reshape({-1});
+    record.optimizer_state_bytes = by_rank.max().template item<int64_t>();
+    for (int64_t r = 0; r < by_rank.size(0); ++r) {
+      record.optimizer_state_bytes_by_rank.push_back(by_rank[r].template item<int64_t>());
+    }
     state.running_loss = nullptr;
     state.last_loss = nullptr;
     if (complete) {
