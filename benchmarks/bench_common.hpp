@@ -4,6 +4,7 @@
 /// MLP whose gradients make communication dominate, and the hand-written libtorch loop that
 /// TrainLoop is measured against.
 
+#include <trainloop/detail/cpuinfo.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <torch/cuda.h>
@@ -120,15 +121,8 @@ inline double fashion_net_training_flops() {
 /// and most x86 cores since Haswell; Intel's server cores with two 512-bit units reach 64, which
 /// --peak-gflops can say), 8 without FMA.
 inline int fp32_flops_per_cycle() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
-    const bool fma = line.find(" fma") != std::string::npos;
-    const bool avx2 = line.find(" avx2") != std::string::npos;
-    return fma && avx2 ? 32 : 8;
-  }
-  return 8;
+  const std::string& cpuinfo = trainloop::detail::cpuinfo_text();
+  return trainloop::detail::cpuinfo_has_flag(cpuinfo, "fma") && trainloop::detail::cpuinfo_has_flag(cpuinfo, "avx2") ? 32 : 8;
 }
 
 /// @brief The highest clock of core 0, in GHz (cpufreq's maximum, else /proc/cpuinfo's current).
@@ -136,12 +130,8 @@ inline double cpu_ghz() {
   std::ifstream max_khz("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq");
   double khz = 0;
   if (max_khz >> khz && khz > 0) return khz / 1e6;
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("cpu MHz", 0) == 0) return std::stod(line.substr(line.find(':') + 1)) / 1e3;
-  }
-  return 0.0;
+  const std::string mhz = trainloop::detail::cpuinfo_value(trainloop::detail::cpuinfo_text(), "cpu MHz");
+  return mhz.empty() ? 0.0 : std::stod(mhz) / 1e3;
 }
 
 /// @brief The usable cores' fp32 FMA peak in GFLOP/s from the reported clock: cores x GHz x

@@ -7,13 +7,13 @@
 #include "bench_common.hpp"
 
 #include <trainloop/cpu/threads.hpp>
+#include <trainloop/detail/cpuinfo.hpp>
 #include <trainloop/precision/native_bf16.hpp>
 
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <string>
 
 namespace bench {
@@ -80,28 +80,18 @@ struct MachinePeaks {
 
 /// @brief "Intel(R) Xeon(R) Platinum 8480C": /proc/cpuinfo's model name.
 inline std::string cpu_model_name() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown CPU";
+  const std::string name = trainloop::detail::cpuinfo_value(trainloop::detail::cpuinfo_text(), "model name");
+  return name.empty() ? "unknown CPU" : name;
 }
 
 /// @brief The CPU's vector flags that decide the fast paths: "avx512f avx512_bf16 amx_bf16".
 inline std::string cpu_fast_path_flags() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
-    std::string found;
-    for (const char* flag : {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}) {
-      if ((line + ' ').find(std::string(" ") + flag + ' ') != std::string::npos) found += std::string(flag) + ' ';
-    }
-    if (!found.empty()) found.pop_back();
-    return found;
+  std::string found;
+  for (const char* flag : {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}) {
+    if (trainloop::detail::cpuinfo_has_flag(trainloop::detail::cpuinfo_text(), flag)) found += std::string(flag) + ' ';
   }
-  return "";
+  if (!found.empty()) found.pop_back();
+  return found;
 }
 
 }  // namespace bench

@@ -196,6 +196,14 @@ BOOST_AUTO_TEST_CASE(bf16_hardware_is_read_from_the_cpu_flags_and_the_onednn_isa
   BOOST_TEST(tl::detail::cpuinfo_has_bf16("flags\t\t: fpu avx512f avx512_bf16\n"));
   BOOST_TEST(!tl::detail::cpuinfo_has_bf16("flags : fpu avx2 avx512f avx512bw\n"));  // AVX-512 without BF16
   BOOST_TEST(!tl::detail::cpuinfo_has_bf16("model name : no flags line\n"));
+  // The reader behind it (detail/cpuinfo.hpp), also used by the benchmarks for the model name and clock.
+  const std::string sample = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480C \ncpu MHz\t\t: 2100.000\n"
+                              "flags\t\t: fpu fma avx2\nprocessor\t: 1\nmodel name\t: other\n";
+  BOOST_TEST(tl::detail::cpuinfo_value(sample, "model name") == "Intel(R) Xeon(R) Platinum 8480C");  // the first processor's
+  BOOST_TEST(tl::detail::cpuinfo_value(sample, "cpu MHz") == "2100.000");
+  BOOST_TEST(tl::detail::cpuinfo_value(sample, "bogomips").empty());
+  BOOST_TEST(tl::detail::cpuinfo_has_flag(sample, "fma"));
+  BOOST_TEST(!tl::detail::cpuinfo_has_flag(sample, "fm"));  // whole words only
   BOOST_TEST(tl::detail::isa_cap_allows_bf16("avx512_core_amx"));
   BOOST_TEST(tl::detail::isa_cap_allows_bf16("ALL"));
   BOOST_TEST(!tl::detail::isa_cap_allows_bf16("AVX512_CORE"));

@@ -11,6 +11,7 @@
 /// convert bf16 to fp32 and back in software, and `gemm:jit` matmuls: bf16 then buys nothing over
 /// fp32 and adds the casts, so the loop says so once.
 
+#include <trainloop/detail/cpuinfo.hpp>
 #include <trainloop/detail/environment.hpp>
 #include <trainloop/precision/precision.hpp>
 
@@ -19,9 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 
 namespace trainloop {
@@ -29,16 +28,7 @@ namespace detail {
 
 /// Whether `cpuinfo` (the text of /proc/cpuinfo) lists avx512_bf16 or amx_bf16 among the flags.
 inline bool cpuinfo_has_bf16(const std::string& cpuinfo) {
-  std::istringstream lines(cpuinfo);
-  for (std::string line; std::getline(lines, line);) {
-    if (line.rfind("flags", 0) != 0) continue;
-    std::istringstream flags(line.substr(line.find(':') == std::string::npos ? line.size() : line.find(':') + 1));
-    for (std::string flag; flags >> flag;) {
-      if (flag == "avx512_bf16" || flag == "amx_bf16") return true;
-    }
-    return false;  // every core lists the same flags
-  }
-  return false;
+  return cpuinfo_has_flag(cpuinfo, "avx512_bf16") || cpuinfo_has_flag(cpuinfo, "amx_bf16");
 }
 
 /// Whether a ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA value still allows oneDNN's bf16 instructions.
@@ -55,10 +45,7 @@ inline bool cpu_has_native_bf16() {
   for (const char* cap_variable : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
     if (auto cap = detail::env_string(cap_variable); cap && !detail::isa_cap_allows_bf16(*cap)) return false;
   }
-  std::ifstream file("/proc/cpuinfo");
-  std::ostringstream text;
-  text << file.rdbuf();
-  return detail::cpuinfo_has_bf16(text.str());
+  return detail::cpuinfo_has_bf16(detail::cpuinfo_text());
 }
 
 /// @brief Warns once per process, on standard error, when `precision` is bf16 on a CPU device
