@@ -11,6 +11,7 @@ set(layers
   "detail=1"
   "cpu=2" "data=2" "metrics=2" "nn=2" "optim=2" "precision=2"
   "model_contract.hpp=3" "options.hpp=3"
+  "serialization=3"
   "checkpoint=4" "models=4"
   "callbacks=5" "interop=5"
   "schedules=6"

@@ -10,6 +10,7 @@
 #include <trainloop/optim/optimizer_state.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/torch_archive.hpp>
 #include <trainloop/version.hpp>
 
 #include <torch/torch.h>
@@ -36,6 +37,10 @@ class CheckpointFile {
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(),
                                    " does not exist; expected a file written by trainloop (or \"last\")"));
     }
+    // libtorch reads a checkpoint as a TorchScript archive (torch::jit::load), which compiles the
+    // archive's code and runs its classes' __setstate__: a file from elsewhere is first proved to
+    // hold no method and pickles of plain values only (serialization/torch_archive.hpp).
+    serialization::TorchArchive(path_, "expected a checkpoint written by trainloop", "checkpoint ").check_runs_no_code();
     c10::optional<torch::Device> where;  // c10::optional is std::optional in 2.x
     if (device) where = *device;
     try {

@@ -118,51 +118,35 @@ inline LoadReport load_named(torch::nn::Module& module, const StateDict& state, 
   return report;
 }
 
-/// The model's part of a trainloop checkpoint (checkpoint/checkpoint_file.hpp): the parameters
-/// and buffers torch::save(model) wrote at the top, by name; trainloop's own entry is skipped.
-inline void append_archive(torch::serialize::InputArchive& archive, const std::string& prefix, StateDict& out) {
-  for (const auto& key : archive.keys()) {
-    if (prefix.empty() && key == trainloop::detail::kCheckpointKey) continue;
-    torch::Tensor tensor;
-    torch::serialize::InputArchive child;
-    if (archive.try_read(key, tensor)) {
-      out.emplace_back(prefix + key, tensor.detach());  // parameters come back requiring grad
-    } else if (archive.try_read(key, child)) {
-      append_archive(child, prefix + key + ".", out);
-    }
-  }
-}
-
 }  // namespace detail
 
 /// @brief Reads a state_dict from a file written by Python's `torch.save(model.state_dict(), path)`
-/// (see read_python_state_dict()) or from a trainloop checkpoint (the model's parameters and buffers).
+/// (see read_python_state_dict()), from a trainloop checkpoint (the model's parameters and
+/// buffers), or from any TorchScript archive (`torch.jit.save`, `torch::save`: the tensors of its
+/// module tree by their dotted names).
+///
+/// Safe on a file from a stranger: no code in the file runs (a TorchScript archive's tensors are
+/// read by trainloop's own unpickler; its code is never compiled), nothing is allocated before
+/// its size is checked against the file, and every failure is a CheckpointError.
 /// @param path the file
 /// @return the (name, tensor) pairs, on the CPU
-/// @throws trainloop::CheckpointError naming the path when it is neither (a TorchScript archive
-///         without trainloop's state, a legacy torch.save file, another file), missing or corrupt.
+/// @throws trainloop::CheckpointError naming the path when it is none of these (a legacy
+///         torch.save file, another file), missing or corrupt.
 inline StateDict read_state_dict(const std::filesystem::path& path) {
   auto archive = detail::open_archive(path);
-  if (!detail::is_torchscript_archive(*archive)) return detail::read_state_dict_archive(*archive, path);
-  archive.reset();
-  torch::serialize::InputArchive checkpoint;
+  if (!archive.is_torchscript()) return detail::read_state_dict_archive(archive);
+  const auto document = archive.read_pickle("data.pkl", serialization::PickleFlavor::TorchScript);
   try {
-    checkpoint.load_from(path.string(), torch::Device(torch::kCPU));
-  } catch (const c10::Error& error) {
-    std::throw_with_nested(CheckpointError(detail::concat(
-        "trainloop: ", path.string(), " is a TorchScript archive that libtorch cannot load (", detail::first_line(error),
-        "); expected a trainloop checkpoint or a file written by Python's torch.save(model.state_dict(), path)")));
+    StateDict state;
+    for (auto& [name, tensor] : serialization::module_tensors(document, trainloop::detail::kCheckpointKey)) {
+      state.emplace_back(std::move(name), tensor.detach());  // parameters are saved requiring grad
+    }
+    return state;
+  } catch (const serialization::PickleError& error) {
+    throw CheckpointError(detail::concat("trainloop: state_dict file ", path.string(), " is a TorchScript archive ",
+                                         "whose data.pkl is not a module of tensors (", error.what(), "); ",
+                                         detail::kExpectedPythonFile));
   }
-  torch::serialize::InputArchive ours;
-  if (!checkpoint.try_read(trainloop::detail::kCheckpointKey, ours)) {
-    throw CheckpointError(detail::concat(
-        "trainloop: ", path.string(), " is a TorchScript archive (torch.jit.save, or torch::save in C++: read that with ",
-        "torch::load) without trainloop's '", trainloop::detail::kCheckpointKey, "' entry; expected a trainloop ",
-        "checkpoint or a file written by Python's torch.save(model.state_dict(), path)"));
-  }
-  StateDict state;
-  detail::append_archive(checkpoint, "", state);
-  return state;
 }
 
 /// @brief Copies the state_dict's tensors into the model's parameters and buffers of the same

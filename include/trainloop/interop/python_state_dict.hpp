@@ -7,13 +7,13 @@
 /// pickle of the dict whose tensors refer to storages by key, `<dir>/data/<key>`, each storage's
 /// raw bytes, and `<dir>/version` (the top folder is "archive" or the file's stem, depending on
 /// the writer). libtorch's caffe2::serialize::PyTorchStreamReader/Writer handle the zip; the
-/// pickle is read by interop/pickle_reader.hpp (libtorch's Unpickler cannot, see there) and
+/// pickle is read by serialization/pickle_reader.hpp (libtorch's Unpickler cannot, see there) and
 /// written by libtorch's Pickler.
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/interop/pickle_reader.hpp>
 #include <trainloop/interop/state_dict.hpp>
+#include <trainloop/serialization/torch_archive.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -33,104 +33,48 @@ namespace trainloop::interop {
 namespace detail {
 
 using trainloop::detail::concat;
+using serialization::first_line;
 
 /// What every "not a state_dict" message ends with.
 inline constexpr const char* kExpectedPythonFile =
     "expected a file written by Python's torch.save(model.state_dict(), path) (the zip format, PyTorch >= 1.6)";
 
-/// The first line of a libtorch error (its backtrace and C++ frames follow in 1.13).
-inline std::string first_line(const std::exception& error) {
-  std::string text = error.what();
-  return text.substr(0, text.find('\n'));
+/// Opens `path` as a torch archive, naming it "state_dict file" in messages; see
+/// serialization::TorchArchive (nothing in the file is trusted: sizes are checked before reading).
+inline serialization::TorchArchive open_archive(const std::filesystem::path& path) {
+  return serialization::TorchArchive(path, kExpectedPythonFile, "state_dict file ");
 }
 
-/// Opens `path` as a torch zip archive (torch.save, torch.jit.save, torch::save all write one).
-/// @throws CheckpointError naming the path for a missing file, a legacy (pre-1.6) torch.save
-///         file, anything else that is not a zip archive, or one libtorch cannot read (nested).
-inline std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(const std::filesystem::path& path) {
-  std::error_code error;
-  if (!std::filesystem::is_regular_file(path, error)) {
-    throw CheckpointError(concat("trainloop: state_dict file ", path.string(),
-                                 std::filesystem::exists(path, error) ? " is not a regular file; " : " does not exist; ",
-                                 kExpectedPythonFile));
+/// The (name, tensor) pairs of a state_dict pickle's root dict; `fail` names the file.
+template <class Fail>
+StateDict state_dict_of(const serialization::PickleDocument& document, Fail&& fail) {
+  using Kind = serialization::PickleValue::Kind;
+  const auto& root = document.root;
+  if (root.kind != Kind::Dict) {
+    throw fail(concat("holds ", serialization::a_kind(root.kind), "; expected a dict of name -> tensor (a state_dict)"));
   }
-  // The first bytes tell a zip archive from the formats people most often have instead.
-  char magic[4] = {};
-  std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
-  if (std::string_view(magic, 4) != std::string_view("PK\x03\x04", 4)) {
-    const bool legacy = static_cast<unsigned char>(magic[0]) == 0x80;  // a bare pickle
-    throw CheckpointError(concat(
-        "trainloop: ", path.string(),
-        legacy ? " is a legacy torch.save file (a bare pickle: PyTorch < 1.6, or _use_new_zipfile_serialization=False); "
-               : " is not a zip archive, so not a torch.save file; ",
-        kExpectedPythonFile, legacy ? "; re-save it in Python with torch.save(torch.load(path), path)" : ""));
+  StateDict state;
+  const auto& items = document.items(root);
+  for (size_t i = 0; i + 1 < items.size(); i += 2) {
+    const auto& key = items[i];
+    const auto& value = items[i + 1];
+    if (key.kind != Kind::String) throw fail(concat("has ", serialization::a_kind(key.kind), " key; expected names"));
+    const std::string& name = document.text(key);
+    if (value.kind != Kind::Tensor) {
+      throw fail(concat("holds ", serialization::a_kind(value.kind), " under '", name, "'; expected a tensor (a ",
+                        "state_dict itself, not a dict around it such as {'model': model.state_dict(), ...})"));
+    }
+    state.emplace_back(name, document.tensor(value));
   }
-  try {
-    return std::make_unique<caffe2::serialize::PyTorchStreamReader>(path.string());
-  } catch (const std::exception& libtorch_error) {
-    std::throw_with_nested(CheckpointError(concat("trainloop: ", path.string(), " is a zip archive that libtorch cannot read as ",
-                                                  "a torch.save file (", first_line(libtorch_error), "); ",
-                                                  kExpectedPythonFile)));
-  }
+  return state;
 }
 
-/// True for a TorchScript archive (torch.jit.save, torch::save, a trainloop checkpoint): it has
-/// the constants table of compiled code, which torch.save's files do not (or no data.pkl at all).
-inline bool is_torchscript_archive(caffe2::serialize::PyTorchStreamReader& archive) {
-  return archive.hasRecord("constants.pkl") || !archive.hasRecord("data.pkl");
-}
-
-/// Reads the state_dict of an open torch.save archive (see open_archive()); `path` is for messages.
-inline StateDict read_state_dict_archive(caffe2::serialize::PyTorchStreamReader& archive,
-                                         const std::filesystem::path& path) {
-  auto fail = [&](const std::string& what) {
-    return CheckpointError(concat("trainloop: state_dict file ", path.string(), " ", what));
-  };
-  try {
-    if (archive.hasRecord("byteorder")) {  // written since PyTorch 2.1: the storages' byte order
-      auto [order, order_size] = archive.getRecord("byteorder");
-      if (std::string_view(static_cast<const char*>(order.get()), order_size) != "little") {
-        throw fail("was written on a big-endian machine; expected one written on a little-endian machine");
-      }
-    }
-    auto [pickle, pickle_size] = archive.getRecord("data.pkl");
-    const std::string_view bytes(static_cast<const char*>(pickle.get()), pickle_size);
-    auto load_storage = [&](const std::string& key, torch::ScalarType dtype, int64_t numel) {
-      const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-      if (numel == 0) return torch::empty({0}, torch::TensorOptions().dtype(dtype));
-      const std::string record = "data/" + key;
-      if (!archive.hasRecord(record)) throw fail(concat("lacks the storage ", record, "; expected a complete file"));
-      auto [data, size] = archive.getRecord(record);
-      if (static_cast<int64_t>(size) < nbytes) {
-        throw fail(concat("has ", size, " bytes in storage ", record, " of ", numel, " ", dtype,
-                          " elements; expected ", nbytes, " (a complete file)"));
-      }
-      c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), /*allocator=*/nullptr,
-                           /*resizable=*/false);
-      return torch::empty({0}, torch::TensorOptions().dtype(dtype)).set_(std::move(storage));
-    };
-    const PickleValue root = StateDictUnpickler(bytes, load_storage).run();
-    if (root.kind != PickleValue::Kind::Dict) {
-      throw fail(concat("holds ", a_kind(root.kind), "; expected a dict of name -> tensor (a state_dict)"));
-    }
-    StateDict state;
-    const auto& items = *root.items;
-    for (size_t i = 0; i + 1 < items.size(); i += 2) {
-      const auto& key = items[i];
-      const auto& value = items[i + 1];
-      if (key.kind != PickleValue::Kind::String) throw fail(concat("has ", a_kind(key.kind), " key; expected names"));
-      if (value.kind != PickleValue::Kind::Tensor) {
-        throw fail(concat("holds ", a_kind(value.kind), " under '", key.text, "'; expected a tensor (a state_dict ",
-                          "itself, not a dict around it such as {'model': model.state_dict(), ...})"));
-      }
-      state.emplace_back(key.text, value.tensor);
-    }
-    return state;
-  } catch (const PickleError& error) {
-    throw fail(concat("has a data.pkl that is not a state_dict pickle (", error.what(), "); ", kExpectedPythonFile));
-  } catch (const c10::Error& error) {
-    std::throw_with_nested(fail(concat("cannot be read (libtorch: ", first_line(error), "); expected a complete file")));
-  }
+/// Reads the state_dict of an open torch.save archive (see open_archive()).
+inline StateDict read_state_dict_archive(serialization::TorchArchive& archive) {
+  const auto document = archive.read_pickle("data.pkl", serialization::PickleFlavor::StateDict);
+  return state_dict_of(document, [&](const std::string& what) {
+    return CheckpointError(concat("trainloop: state_dict file ", archive.path().string(), " ", what));
+  });
 }
 
 /// The tensors to write: detached, on the CPU (so Python loads them without a GPU), tensors that
@@ -157,6 +101,8 @@ inline StateDict cpu_state(const StateDict& state) {
 }  // namespace detail
 
 /// @brief Reads a state_dict that Python saved with `torch.save(model.state_dict(), path)`.
+/// Safe on a file from a stranger: nothing in it runs, every size in it is checked before
+/// anything is allocated for it (serialization/torch_archive.hpp).
 ///
 /// Every dtype torch.save writes as a typed storage is read (float, double, half, bfloat16,
 /// int64, int32, int16, int8, uint8, bool, complex). Tensors come out on the CPU whatever device
@@ -169,12 +115,12 @@ inline StateDict cpu_state(const StateDict& state) {
 ///         dict of tensors, or corrupt; libtorch's own exception, if any, is nested in it.
 inline StateDict read_python_state_dict(const std::filesystem::path& path) {
   auto archive = detail::open_archive(path);
-  if (detail::is_torchscript_archive(*archive)) {
+  if (archive.is_torchscript()) {
     throw CheckpointError(trainloop::detail::concat(
         "trainloop: ", path.string(), " is a TorchScript archive (torch.jit.save, torch::save, or a trainloop checkpoint, ",
         "which load_state_dict() reads); ", detail::kExpectedPythonFile));
   }
-  return detail::read_state_dict_archive(*archive, path);
+  return detail::read_state_dict_archive(archive);
 }
 
 /// @brief Writes `state` as Python's torch.save would: `torch.load(path)` in Python returns a dict

@@ -126,11 +126,14 @@ inline torch::jit::Module load_script_archive(const std::filesystem::path& path)
     // open_archive names a missing file, a legacy pickle or a non-zip; a torch.save archive is
     // told apart by its missing compiled code.
     auto archive = detail::open_archive(path);
-    if (!detail::is_torchscript_archive(*archive)) {
+    if (!archive.is_torchscript()) {
       throw CheckpointError(trainloop::detail::concat(
           "trainloop: ", path.string(), " is a file written by torch.save (a state_dict or a pickled object), not a ",
           "TorchScript model; ", expected, " (load a state_dict into a zoo model with interop::load_state_dict)"));
     }
+    // The model's code runs, as with torch.jit.load; its pickles are first read by the safe
+    // unpickler, so no nesting or declared size in them reaches libtorch's.
+    archive.check_pickles();
   }
   try {
     return torch::jit::load(path.string(), torch::kCPU);

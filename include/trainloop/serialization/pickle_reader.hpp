@@ -1,0 +1,467 @@
+#pragma once
+/// @file
+/// @brief The unpickler behind every weights file trainloop reads: the safe subset of Python's
+/// pickle format that `torch.save(model.state_dict(), path)` writes into `data.pkl` (and, for
+/// TorchScript archives, the plain objects `torch.jit.save` / `torch::save` write), read into
+/// tensors. Safe by construction, for files from strangers:
+///
+/// - no code: a global is checked against the allow-list (serialization/pickle_globals.hpp) the
+///   moment the pickle names it, and what an allowed one does is done here in C++; BUILD only on
+///   what the allow-list says takes state; no opcode that needs another name (INST, OBJ, EXT*,
+///   PERSID) is read;
+/// - no unbounded memory: values are handles into one PickleDocument (pickle_value.hpp), so DUP
+///   and BINGET copy 24 bytes, never a string; the memo is a map, so an index of 2^32-1 costs one
+///   entry; values, stack, memo, nesting and open MARKs are counted against PickleLimits;
+/// - no recursion over values, so no nesting can exhaust the stack; cycles cost nothing;
+/// - MARK bookkeeping checked by every opcode: nothing takes a value from below the last MARK;
+/// - tensors proved inside their storages with checked arithmetic (tensor_rebuild.hpp).
+///
+/// Why not libtorch's own torch::jit::Unpickler (pickle_load)? It reads a plain dict saved by
+/// Python, but not the `collections.OrderedDict` that `state_dict()` returns: its handling of
+/// that global is hard-coded (before any type resolver is asked) to produce None, because it
+/// expects an OrderedDict only as a tensor's empty `backward_hooks`; the SETITEMS that follows
+/// then fails (`isGenericDict() INTERNAL ASSERT FAILED ... Expected GenericDict but got None`).
+/// It also treats BUILD as REDUCE, so the `_metadata` attribute that the dict carries (set by
+/// BUILD) could not be read either, and it resolves TorchScript classes by compiling the
+/// archive's code. Both are so in libtorch 1.13 and in 2.x (torch/csrc/jit/serialization/
+/// unpickler.cpp of both), so no option or callback of it helps.
+
+#include <trainloop/error.hpp>
+#include <trainloop/serialization/pickle_globals.hpp>
+#include <trainloop/serialization/pickle_limits.hpp>
+#include <trainloop/serialization/pickle_value.hpp>
+#include <trainloop/serialization/tensor_rebuild.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <ios>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace trainloop::serialization {
+
+/// @brief Loads storage `key` (`data/<key>` in the archive) of `numel` elements of `dtype`, as a
+/// 1-d tensor; it must prove the record holds exactly numel * itemsize bytes.
+using StorageLoader = std::function<torch::Tensor(const std::string& key, torch::ScalarType dtype, int64_t numel)>;
+
+/// @brief Reads one pickle into a PickleDocument.
+class Unpickler {
+ public:
+  /// @param bytes the pickle; must outlive run()
+  /// @param flavor which globals it may name
+  /// @param load_storage reads a storage the pickle refers to by persistent id
+  /// @param limits the bounds it is held to
+  Unpickler(std::string_view bytes, PickleFlavor flavor, StorageLoader load_storage, PickleLimits limits = {})
+      : bytes_(bytes), flavor_(flavor), load_storage_(std::move(load_storage)), limits_(limits) {}
+
+  /// @brief Runs the pickle to its STOP.
+  /// @throws PickleError naming the byte offset of the opcode that failed and the reason.
+  PickleDocument run() {
+    try {
+      stats_.pickle_bytes = bytes_.size();
+      if (bytes_.size() > limits_.max_pickle_bytes) {
+        fail("the pickle has ", bytes_.size(), " bytes; expected at most ", limits_.max_pickle_bytes);
+      }
+      if (bytes_.empty() || static_cast<uint8_t>(bytes_[0]) != 0x80) fail("it does not start with a pickle PROTO opcode");
+      while (true) {
+        opcode_at_ = pos_;
+        const auto opcode = static_cast<uint8_t>(take(1)[0]);
+        if (opcode == '.') break;  // STOP
+        step(opcode);
+        stats_.stack = std::max(stats_.stack, stack_.size());
+        if (stack_.size() > limits_.max_stack) fail("the pickle holds more than ", limits_.max_stack, " values at once");
+      }
+      if (!marks_.empty()) fail("the pickle ends with ", marks_.size(), " MARKs open; expected none");
+      if (stack_.size() != 1) fail("the pickle ends with ", stack_.size(), " values on its stack; expected 1");
+    } catch (const PickleError& error) {
+      throw PickleError(trainloop::detail::concat("at byte ", opcode_at_, ": ", error.what()));
+    }
+    stats_.memo = memo_.size();
+    document_.root = stack_.back();
+    return std::move(document_);
+  }
+
+  /// @brief What the pickle used of the limits (complete after run()).
+  const PickleStats& stats() const { return stats_; }
+
+ private:
+  using Kind = PickleValue::Kind;
+
+  template <class... Parts>
+  [[noreturn]] static void fail(Parts&&... parts) {
+    pickle_fail(std::forward<Parts>(parts)...);
+  }
+
+  // ---- bytes ----
+  std::string_view take(size_t count) {
+    if (count > bytes_.size() - pos_) fail("the pickle is truncated");
+    const auto piece = bytes_.substr(pos_, count);
+    pos_ += count;
+    return piece;
+  }
+  template <class T>
+  T little_endian() {  // pickle's integer arguments are little-endian, as this machine
+    T value;
+    std::memcpy(&value, take(sizeof(T)).data(), sizeof(T));
+    return value;
+  }
+  std::string_view line() {
+    const auto end = bytes_.find('\n', pos_);
+    if (end == std::string_view::npos) fail("the pickle is truncated");
+    const size_t length = end - pos_;
+    return take(length + 1).substr(0, length);
+  }
+
+  // ---- memory and nesting ----
+  void charge(size_t bytes) {
+    stats_.value_bytes += bytes;
+    if (stats_.value_bytes > limits_.max_value_bytes) {
+      fail("the pickle's values need more than ", limits_.max_value_bytes, " bytes; expected a file of weights");
+    }
+  }
+  uint32_t depth_of(const PickleValue& value) const {
+    return value.is_container() ? document_.depths_[value.index] : 0;
+  }
+  /// A new container holding `items`.
+  PickleValue make_container(Kind kind, std::vector<PickleValue> items) {
+    charge(48 + items.size() * sizeof(PickleValue));
+    uint32_t depth = 1;
+    for (const auto& item : items) depth = std::max(depth, depth_of(item) + 1);
+    check_depth(depth);
+    PickleValue value;
+    value.kind = kind;
+    value.index = static_cast<uint32_t>(document_.containers_.size());
+    document_.containers_.push_back(std::move(items));
+    document_.depths_.push_back(depth);
+    return value;
+  }
+  void check_depth(uint32_t depth) {
+    stats_.depth = std::max(stats_.depth, depth);
+    if (depth > limits_.max_depth) fail("the pickle nests containers ", depth, " deep; expected at most ", limits_.max_depth);
+  }
+  /// Appends `items` to the container `target` (a list or dict being filled).
+  void extend(const PickleValue& target, std::vector<PickleValue> items) {
+    charge(items.size() * sizeof(PickleValue));
+    auto& depth = document_.depths_[target.index];
+    for (const auto& item : items) depth = std::max(depth, depth_of(item) + 1);
+    check_depth(depth);
+    auto& container = document_.containers_[target.index];
+    container.insert(container.end(), std::make_move_iterator(items.begin()), std::make_move_iterator(items.end()));
+  }
+  PickleValue make_text(Kind kind, std::string_view text) {
+    charge(32 + text.size());
+    PickleValue value;
+    value.kind = kind;
+    value.index = static_cast<uint32_t>(document_.texts_.size());
+    document_.texts_.emplace_back(text);
+    return value;
+  }
+  PickleValue make_tensor(Kind kind, torch::Tensor tensor) {
+    charge(256);  // a TensorImpl and its sizes
+    PickleValue value;
+    value.kind = kind;
+    value.index = static_cast<uint32_t>(document_.tensors_.size());
+    document_.tensors_.push_back(std::move(tensor));
+    return value;
+  }
+
+  // ---- stack and MARKs: nothing below the last MARK is reachable ----
+  size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  PickleValue pop() {
+    if (stack_.size() <= floor()) fail(marks_.empty() ? "the pickle's stack is empty" : "the pickle takes a value from below its MARK");
+    PickleValue value = stack_.back();
+    stack_.pop_back();
+    return value;
+  }
+  const PickleValue& top() const {
+    if (stack_.size() <= floor()) fail(marks_.empty() ? "the pickle's stack is empty" : "the pickle takes a value from below its MARK");
+    return stack_.back();
+  }
+  const PickleValue& top(Kind kind) const {
+    const auto& value = top();
+    if (value.kind != kind) fail(a_kind(value.kind), " is where ", a_kind(kind), " is expected");
+    return value;
+  }
+  /// The values pushed since the last MARK, removed from the stack with the MARK.
+  std::vector<PickleValue> pop_to_mark() {
+    if (marks_.empty()) fail("the pickle has no MARK to end");
+    const size_t start = marks_.back();
+    if (start > stack_.size()) fail("the pickle's MARK is above its stack");
+    marks_.pop_back();
+    std::vector<PickleValue> values(stack_.begin() + static_cast<std::ptrdiff_t>(start), stack_.end());
+    stack_.resize(start);
+    return values;
+  }
+  std::vector<PickleValue> pop_last(size_t count) {
+    if (stack_.size() - floor() < count) fail("the pickle takes ", count, " values from a stack of ", stack_.size() - floor());
+    std::vector<PickleValue> values(stack_.end() - static_cast<std::ptrdiff_t>(count), stack_.end());
+    stack_.resize(stack_.size() - count);
+    return values;
+  }
+  void push(PickleValue value) { stack_.push_back(value); }
+  void push_int(Kind kind, int64_t integer) {
+    PickleValue value;
+    value.kind = kind;
+    value.integer = integer;
+    push(value);
+  }
+
+  // ---- memo ----
+  void memo_put(uint64_t id) {
+    const auto& value = top();
+    auto [entry, added] = memo_.try_emplace(id, value);
+    if (!added) {
+      entry->second = value;
+      return;
+    }
+    charge(48);
+    if (memo_.size() > limits_.max_memo) fail("the pickle memoizes more than ", limits_.max_memo, " values");
+  }
+  void memo_get(uint64_t id) {
+    const auto found = memo_.find(id);
+    if (found == memo_.end()) fail("memo entry ", id, " was never stored");
+    push(found->second);
+  }
+
+  // ---- globals ----
+  void push_global(std::string_view module, std::string_view name) {
+    const auto role = allowed_global(module, name, flavor_);
+    if (!role) {
+      fail("the pickle names the global ", module, ".", name, ", which a file of weights never needs; ", kAllowedGlobals);
+    }
+    PickleValue value = make_text(Kind::Global, std::string(module) + "." + std::string(name));
+    value.integer = static_cast<int64_t>(*role);
+    push(value);
+  }
+  static GlobalRole role_of(const PickleValue& global) { return static_cast<GlobalRole>(global.integer); }
+
+  /// REDUCE: what the allowed global `callable` returns for `args`, done here.
+  PickleValue call(const PickleValue& callable, const PickleValue& args) {
+    if (callable.kind != Kind::Global) fail("REDUCE of ", a_kind(callable.kind), "; expected a global");
+    if (args.kind != Kind::Tuple) fail("REDUCE with ", a_kind(args.kind), "; expected a tuple");
+    const auto& list = document_.items(args);
+    const auto& name = document_.text(callable);
+    switch (role_of(callable)) {
+      case GlobalRole::OrderedDict: {
+        if (!list.empty()) fail(name, " called with ", list.size(), " arguments; expected ()");
+        PickleValue dict = make_container(Kind::Dict, {});
+        dict.integer = 1;  // takes state (BUILD), as an OrderedDict does
+        return dict;
+      }
+      case GlobalRole::RebuildTensor: {
+        if (list.size() < 4 || list[0].kind != Kind::Storage || list[1].kind != Kind::Int) {
+          fail(name, " with arguments other than (storage, offset, size, stride, ...)");
+        }
+        auto size = int_tuple(document_, list[2], "a tensor's size", limits_.max_dims);
+        auto stride = int_tuple(document_, list[3], "a tensor's stride", limits_.max_dims);
+        return make_tensor(Kind::Tensor, rebuild_tensor_view(document_.tensor(list[0]), list[1].integer, size, stride));
+      }
+      case GlobalRole::RebuildParameter:
+        // (data, requires_grad, backward_hooks[, state]): the data is all a state_dict needs.
+        if (list.empty() || list[0].kind != Kind::Tensor) fail(name, " of ", list.empty() ? "nothing" : a_kind(list[0].kind), "; expected a tensor");
+        return list[0];
+      case GlobalRole::FirstArgument:
+        if (list.empty()) fail(name, " of nothing; expected a value");
+        return list[0];
+      default:
+        fail("the pickle calls ", name, ", which is not callable here; ", kAllowedGlobals);
+    }
+  }
+
+  /// A storage, loaded once per key, so that tensors viewing one storage share it as in Python.
+  PickleValue persistent_load(const PickleValue& id) {
+    const auto* fields = id.kind == Kind::Tuple ? &document_.items(id) : nullptr;
+    if (fields == nullptr || fields->size() != 5 || (*fields)[0].kind != Kind::String ||
+        document_.text((*fields)[0]) != "storage" || (*fields)[1].kind != Kind::Global ||
+        role_of((*fields)[1]) != GlobalRole::StorageType || (*fields)[2].kind != Kind::String ||
+        (*fields)[4].kind != Kind::Int || (*fields)[4].integer < 0) {
+      fail("a persistent id that is not ('storage', torch.<Type>Storage, key, location, numel >= 0)");
+    }
+    const auto dtype = *storage_dtype(document_.text((*fields)[1]));
+    const std::string& key = document_.text((*fields)[2]);
+    const int64_t numel = (*fields)[4].integer;
+    auto found = storages_.find(key);
+    if (found == storages_.end()) {
+      const torch::Tensor storage = load_storage_(key, dtype, numel);
+      found = storages_.emplace(key, make_tensor(Kind::Storage, storage)).first;
+    }
+    const auto& loaded = document_.tensor(found->second);
+    if (loaded.scalar_type() != dtype || loaded.numel() != numel) {
+      fail("storage ", key, " is named as ", numel, " elements of ", dtype, " and as ", loaded.numel(), " of ",
+           loaded.scalar_type(), "; expected one type per storage");
+    }
+    return found->second;
+  }
+
+  void build() {
+    const PickleValue state = pop();
+    const PickleValue& target = top();
+    switch (target.kind) {
+      case Kind::Object: {
+        // A TorchScript object's attributes, by name. No method of its class runs.
+        if (state.kind != Kind::Dict) fail("BUILD of ", a_kind(state.kind), " on an object; expected a dict of attributes");
+        auto& object = document_.containers_[target.index];
+        if (object[1].kind != Kind::None) fail("BUILD on an object that has its attributes; expected one BUILD");
+        extend_state(target, state);
+        break;
+      }
+      case Kind::Dict:
+        // An OrderedDict's `_metadata` (each module's version, which Python's load_state_dict
+        // hands to _load_from_state_dict): it says nothing about the values.
+        if (target.integer != 1) fail("BUILD on a dict that is not an OrderedDict; expected BUILD only on an OrderedDict");
+        if (state.kind != Kind::Dict && state.kind != Kind::None) fail("BUILD of ", a_kind(state.kind), " on an OrderedDict; expected a dict");
+        break;
+      case Kind::Tensor:
+        if (state.kind != Kind::Dict && state.kind != Kind::None) fail("BUILD of ", a_kind(state.kind), " on a tensor; expected a dict");
+        break;
+      default:
+        fail("BUILD on ", a_kind(target.kind), "; expected one on an OrderedDict, a tensor or a TorchScript object");
+    }
+  }
+  void extend_state(const PickleValue& object, const PickleValue& state) {
+    auto& depth = document_.depths_[object.index];
+    depth = std::max(depth, depth_of(state) + 1);
+    check_depth(depth);
+    document_.containers_[object.index][1] = state;
+  }
+
+  void step(uint8_t opcode) {
+    switch (opcode) {
+      case 0x80: {  // PROTO
+        const auto protocol = static_cast<uint8_t>(take(1)[0]);
+        if (protocol < 2 || protocol > 5) fail("pickle protocol ", int(protocol), "; expected 2 (torch.save's) to 5");
+        break;
+      }
+      case 0x95: take(8); break;  // FRAME: only a read-ahead hint
+      case '(':                   // MARK
+        marks_.push_back(stack_.size());
+        stats_.open_marks = std::max(stats_.open_marks, marks_.size());
+        if (marks_.size() > limits_.max_open_marks) fail("the pickle opens more than ", limits_.max_open_marks, " MARKs");
+        break;
+      case '0': pop(); break;          // POP
+      case '1': pop_to_mark(); break;  // POP_MARK
+      case '2': push(top()); break;    // DUP
+      case 'N': push(PickleValue{}); break;
+      case 0x88: case 0x89: push_int(Kind::Bool, opcode == 0x88); break;  // NEWTRUE, NEWFALSE
+      case 'K': push_int(Kind::Int, little_endian<uint8_t>()); break;    // BININT1
+      case 'M': push_int(Kind::Int, little_endian<uint16_t>()); break;   // BININT2
+      case 'J': push_int(Kind::Int, little_endian<int32_t>()); break;    // BININT
+      case 0x8a: {  // LONG1: little-endian two's complement of n bytes
+        const auto n = static_cast<uint8_t>(take(1)[0]);
+        if (n > 8) fail("an integer of ", int(n), " bytes; expected at most 8");
+        uint64_t value = 0;
+        const auto digits = take(n);
+        for (size_t i = 0; i < n; ++i) value |= uint64_t(static_cast<uint8_t>(digits[i])) << (8 * i);
+        if (n > 0 && n < 8 && (static_cast<uint8_t>(digits[n - 1]) & 0x80)) value |= ~uint64_t(0) << (8 * n);
+        push_int(Kind::Int, static_cast<int64_t>(value));
+        break;
+      }
+      case 'G': {  // BINFLOAT: big-endian
+        uint64_t bits = 0;
+        for (char byte : take(8)) bits = (bits << 8) | static_cast<uint8_t>(byte);
+        PickleValue value;
+        value.kind = Kind::Float;
+        std::memcpy(&value.real, &bits, sizeof bits);
+        push(value);
+        break;
+      }
+      case 0x8c: push(make_text(Kind::String, take(little_endian<uint8_t>()))); break;   // SHORT_BINUNICODE
+      case 'X': push(make_text(Kind::String, take(little_endian<uint32_t>()))); break;   // BINUNICODE
+      case 0x8d: push(make_text(Kind::String, take(little_endian<uint64_t>()))); break;  // BINUNICODE8
+      case 'c': {  // GLOBAL: "module\nname\n"
+        const auto module = line();
+        push_global(module, line());
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        const PickleValue name = pop();
+        const PickleValue module = pop();
+        if (module.kind != Kind::String || name.kind != Kind::String) fail("STACK_GLOBAL of a non-string");
+        push_global(document_.text(module), document_.text(name));
+        break;
+      }
+      case 'q': memo_put(little_endian<uint8_t>()); break;   // BINPUT
+      case 'r': memo_put(little_endian<uint32_t>()); break;  // LONG_BINPUT
+      case 0x94: memo_put(memo_.size()); break;              // MEMOIZE
+      case 'h': memo_get(little_endian<uint8_t>()); break;   // BINGET
+      case 'j': memo_get(little_endian<uint32_t>()); break;  // LONG_BINGET
+      case ')': push(make_container(Kind::Tuple, {})); break;  // EMPTY_TUPLE
+      case ']': push(make_container(Kind::List, {})); break;   // EMPTY_LIST
+      case '}': push(make_container(Kind::Dict, {})); break;   // EMPTY_DICT
+      case 't': push(make_container(Kind::Tuple, pop_to_mark())); break;                  // TUPLE
+      case 0x85: case 0x86: case 0x87: push(make_container(Kind::Tuple, pop_last(opcode - 0x84u))); break;  // TUPLE1-3
+      case 'l': push(make_container(Kind::List, pop_to_mark())); break;                   // LIST
+      case 'd': {  // DICT
+        auto items = pop_to_mark();
+        if (items.size() % 2 != 0) fail("a dict of an odd number of keys and values");
+        push(make_container(Kind::Dict, std::move(items)));
+        break;
+      }
+      case 'a': {  // APPEND
+        auto item = pop_last(1);
+        extend(top(Kind::List), std::move(item));
+        break;
+      }
+      case 'e': {  // APPENDS
+        auto items = pop_to_mark();
+        extend(top(Kind::List), std::move(items));
+        break;
+      }
+      case 's': {  // SETITEM
+        auto pair = pop_last(2);
+        extend(top(Kind::Dict), std::move(pair));
+        break;
+      }
+      case 'u': {  // SETITEMS
+        auto items = pop_to_mark();
+        if (items.size() % 2 != 0) fail("SETITEMS of an odd number of keys and values");
+        extend(top(Kind::Dict), std::move(items));
+        break;
+      }
+      case 'Q': push(persistent_load(pop())); break;  // BINPERSID
+      case 'R': {  // REDUCE
+        const PickleValue args = pop();
+        const PickleValue callable = pop();
+        push(call(callable, args));
+        break;
+      }
+      case 0x81: {  // NEWOBJ: cls.__new__(cls, *args), how a TorchScript object is pickled
+        const PickleValue args = pop();
+        const PickleValue cls = pop();
+        if (cls.kind != Kind::Global || role_of(cls) != GlobalRole::ScriptClass) {
+          fail("the pickle creates an object of ", cls.kind == Kind::Global ? document_.text(cls) : std::string(a_kind(cls.kind)),
+               "; expected objects only of TorchScript classes (__torch__.*) in a TorchScript archive");
+        }
+        if (args.kind != Kind::Tuple || !document_.items(args).empty()) fail("NEWOBJ of ", document_.text(cls), " with arguments; expected ()");
+        push(make_container(Kind::Object, {cls, PickleValue{}}));
+        break;
+      }
+      case 'b': build(); break;  // BUILD: sets an object's attributes
+      default:
+        fail("opcode 0x", std::hex, int(opcode), std::dec,
+             " is not one that torch.save writes for weights; expected a pickle of a dict of tensors");
+    }
+  }
+
+  std::string_view bytes_;
+  PickleFlavor flavor_;
+  StorageLoader load_storage_;
+  PickleLimits limits_;
+  PickleStats stats_;
+  size_t pos_ = 0;
+  size_t opcode_at_ = 0;  // where the opcode being run starts, for messages
+  PickleDocument document_;
+  std::vector<PickleValue> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, PickleValue> memo_;
+  std::unordered_map<std::string, PickleValue> storages_;  // key -> its Storage value
+};
+
+}  // namespace trainloop::serialization
