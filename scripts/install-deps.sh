@@ -20,6 +20,7 @@ packages=(
   libcairo2-dev                    # training-curve plots as PNG (optional for users; SVG without)
   libopenblas0-pthread             # fast BLAS for libtorch (the reference BLAS is ~13x slower)
   libboost-test-dev                # tests
+  clang libclang-rt-14-dev         # libFuzzer + AddressSanitizer: ctest fuzz_weight_files
   libcli11-dev                     # command line of the examples and benchmarks
   dataset-fashion-mnist            # /usr/share/datasets/fashion-mnist, examples and tests
   doxygen                          # API docs (ctest doxygen_no_warnings)

@@ -77,17 +77,19 @@ class TorchArchive {
       throw CheckpointError(concat("trainloop: ", label_, path_.string(), " is a zip archive marked as a flatbuffer module ",
                                    "(PTMF at byte 4); ", expected_));
     }
+    // The directory first: libtorch's reader allocates what a record declares (its constructor
+    // reads `version`), so nothing of it runs before every declared size is checked.
+    for (auto& record : read_zip_directory(path_)) {
+      const auto slash = record.name.find('/');
+      if (slash == std::string::npos) continue;  // libtorch reads only records under the top folder
+      sizes_[record.name.substr(slash + 1)] = record.size;
+    }
     try {
       reader_ = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path_.string());
     } catch (const std::exception& libtorch_error) {
       std::throw_with_nested(CheckpointError(concat("trainloop: ", label_, path_.string(), " is a zip archive that libtorch ",
                                                     "cannot read as a torch archive (", first_line(libtorch_error), "); ",
                                                     expected_)));
-    }
-    for (auto& record : read_zip_directory(path_)) {
-      const auto slash = record.name.find('/');
-      if (slash == std::string::npos) continue;  // libtorch reads only records under the top folder
-      sizes_[record.name.substr(slash + 1)] = record.size;
     }
   }
 

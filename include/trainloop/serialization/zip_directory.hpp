@@ -51,7 +51,7 @@ inline uint64_t read_le(const char* at, size_t bytes) {
 inline std::string read_at(std::ifstream& in, uint64_t offset, uint64_t count, uint64_t file_size,
                            const std::filesystem::path& path) {
   if (offset > file_size || count > file_size - offset) {
-    throw CheckpointError(concat("trainloop: ", path.string(), " is a truncated or corrupt zip archive (its directory ",
+    throw CheckpointError(concat("trainloop: ", path.string(), " is truncated or corrupt (its zip directory ",
                                  "points at bytes ", offset, "-", offset + count, " of a ", file_size,
                                  "-byte file); expected a complete file"));
   }
@@ -75,12 +75,12 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
   in.seekg(0, std::ios::end);
   const uint64_t file_size = static_cast<uint64_t>(in.tellg());
   auto corrupt = [&](const std::string& what) {
-    return CheckpointError(concat("trainloop: ", path.string(), " is a truncated or corrupt zip archive (", what,
+    return CheckpointError(concat("trainloop: ", path.string(), " is truncated or corrupt (a zip archive with ", what,
                                   "); expected a complete torch archive"));
   };
   // The end-of-central-directory record: 22 bytes and a comment of at most 65535, at the end.
   constexpr uint64_t kEndRecord = 22;
-  if (file_size < kEndRecord) throw corrupt(concat("it has ", file_size, " bytes"));
+  if (file_size < kEndRecord) throw corrupt(concat("only ", file_size, " bytes"));
   const uint64_t tail_size = std::min<uint64_t>(file_size, kEndRecord + 65535);
   const std::string tail = detail::read_at(in, file_size - tail_size, tail_size, file_size, path);
   size_t end_at = std::string::npos;
@@ -120,7 +120,7 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
   size_t at = 0;
   for (uint64_t i = 0; i < entries; ++i) {
     if (directory.size() - at < kEntryHeader || read_le(directory.data() + at, 4) != 0x02014b50) {
-      throw corrupt(concat("directory entry ", i, " is not a central-directory header"));
+      throw corrupt(concat("a directory entry (", i, ") that is not a central-directory header"));
     }
     const char* header = directory.data() + at;
     ZipRecord record;
@@ -132,7 +132,7 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
     const size_t comment_length = read_le(header + 32, 2);
     record.offset = read_le(header + 42, 4);
     if (directory.size() - at - kEntryHeader < name_length + extra_length + comment_length) {
-      throw corrupt(concat("directory entry ", i, " runs past the directory"));
+      throw corrupt(concat("a directory entry (", i, ") that runs past the directory"));
     }
     record.name.assign(header + kEntryHeader, name_length);
     // ZIP64 extra field: the 8-byte values of the fields that hold 0xFFFFFFFF, in this order.
@@ -145,7 +145,7 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
         const char* value_end = value + length;
         auto widen = [&](uint64_t& field) {
           if (field != 0xFFFFFFFFu) return;
-          if (value_end - value < 8) throw corrupt(concat("record ", record.name, " has a short ZIP64 field"));
+          if (value_end - value < 8) throw corrupt(concat("the record ", record.name, " whose ZIP64 field is cut short"));
           field = read_le(value, 8);
           value += 8;
         };
@@ -156,14 +156,14 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
       e += 4 + length;
     }
     if (record.offset > file_size || record.stored_size > file_size - record.offset) {
-      throw corrupt(concat("record ", record.name, " declares ", record.stored_size, " bytes at offset ", record.offset,
+      throw corrupt(concat("the record ", record.name, " that declares ", record.stored_size, " bytes at offset ", record.offset,
                            " of a ", file_size, "-byte file"));
     }
     stored_total += record.stored_size;  // each <= file_size, so no overflow before the check below
-    if (stored_total > file_size) throw corrupt(concat("its records claim more than the file's ", file_size, " bytes"));
+    if (stored_total > file_size) throw corrupt(concat("records that claim more than the file's ", file_size, " bytes together"));
     if (record.method == 0) {
       if (record.size != record.stored_size) {
-        throw corrupt(concat("stored record ", record.name, " declares ", record.size, " bytes in ", record.stored_size));
+        throw corrupt(concat("the stored record ", record.name, " that declares ", record.size, " bytes in ", record.stored_size));
       }
     } else {
       // libtorch's writer deflates a TorchScript archive's code and debug tables (never tensor

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of tests/fuzz/fuzz_weight_files.cpp: the data.pkl of state_dicts that
+Python's torch.save writes (and of a TorchScript archive), each prefixed by the byte that tells the
+fuzz target how to read it (even: a torch.save state_dict; odd: a TorchScript archive's pickle).
+
+    scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
+
+Also writes the two largest real cases that serialization/pickle_limits.hpp's limits are stated
+against (resnet152's state_dict and Llama-2-7B's layout) as resnet152.pkl and llama7b.pkl into
+the directory given as a second argument, if any.
+"""
+import collections, io, os, sys, zipfile
+
+import torch
+import torch.nn as nn
+
+
+def data_pkl(obj, save=torch.save, **kwargs):
+    buffer = io.BytesIO()
+    save(obj, buffer, **kwargs)
+    archive = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    return archive.read(next(n for n in archive.namelist() if n.endswith('/data.pkl')))
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def llama7b_layout():
+    state = collections.OrderedDict()
+    one = torch.zeros(1)
+    def t(*shape):
+        return one.expand(*shape)
+    state['model.embed_tokens.weight'] = t(32000, 4096)
+    for i in range(32):
+        p = f'model.layers.{i}.'
+        for n in ['q_proj', 'k_proj', 'v_proj', 'o_proj']:
+            state[p + 'self_attn.' + n + '.weight'] = t(4096, 4096)
+        state[p + 'self_attn.rotary_emb.inv_freq'] = t(64)
+        for n, s in [('gate_proj', (11008, 4096)), ('up_proj', (11008, 4096)), ('down_proj', (4096, 11008))]:
+            state[p + 'mlp.' + n + '.weight'] = t(*s)
+        state[p + 'input_layernorm.weight'] = t(4096)
+        state[p + 'post_attention_layernorm.weight'] = t(4096)
+    state['model.norm.weight'] = t(4096)
+    state['lm_head.weight'] = t(32000, 4096)
+    return state
+
+
+def main():
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(0)
+    small = Small()
+    base = torch.arange(30, dtype=torch.float64).reshape(6, 5)
+    dtypes = collections.OrderedDict(
+        [('base', base), ('slice', base[1:4, ::2]), ('t', base.t()), ('half', torch.ones(3, dtype=torch.half)),
+         ('bf16', torch.ones(2, 2, dtype=torch.bfloat16)), ('i8', torch.arange(4, dtype=torch.int8)),
+         ('bool', torch.tensor([True, False])), ('scalar', torch.tensor(7)), ('empty', torch.zeros(0, 3)),
+         ('big', torch.tensor([2**40 + 3, -2**35]))])
+    seeds = {
+        'small_p2': (0, data_pkl(small.state_dict())),
+        'small_p4': (0, data_pkl(small.state_dict(), pickle_protocol=4)),
+        'dtypes': (0, data_pkl(dtypes)),
+        'parameters': (0, data_pkl(collections.OrderedDict(small.named_parameters()))),
+        'scripted': (1, data_pkl(torch.jit.script(small), save=torch.jit.save)),
+    }
+    for name, (flavor, pickle) in seeds.items():
+        with open(os.path.join(out, name), 'wb') as f:
+            f.write(bytes([flavor]) + pickle)
+    if len(sys.argv) > 2:
+        import torchvision
+        real = sys.argv[2]
+        os.makedirs(real, exist_ok=True)
+        for name, state in [('resnet152', torchvision.models.resnet152().state_dict()), ('llama7b', llama7b_layout())]:
+            with open(os.path.join(real, name + '.pkl'), 'wb') as f:
+                f.write(data_pkl(state))
+    print(f'make-fuzz-corpus.py: {len(seeds)} seeds in {out} (torch {torch.__version__})')
+
+
+if __name__ == '__main__':
+    main()
