@@ -21,13 +21,13 @@ template <class... Parts>
   throw PickleError(trainloop::detail::concat(std::forward<Parts>(parts)...));
 }
 
-/// @brief `a * b` and `a + b` for the int64 values of a file: overflow is the file's error.
+/// @brief `a * b` for the int64 values of a file: overflow is the file's error, naming `what`.
 inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
   if (__builtin_mul_overflow(a, b, &out)) pickle_fail(what, " overflows int64 (", a, " * ", b, ")");
   return out;
 }
-/// @copydoc checked_mul
+/// @brief `a + b` for the int64 values of a file: overflow is the file's error, naming `what`.
 inline int64_t checked_add(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
   if (__builtin_add_overflow(a, b, &out)) pickle_fail(what, " overflows int64 (", a, " + ", b, ")");

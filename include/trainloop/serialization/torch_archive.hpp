@@ -122,6 +122,9 @@ class TorchArchive {
   }
 
   /// @brief Reads the pickle `name` ("data.pkl") with the safe unpickler.
+  /// @param name the record
+  /// @param flavor which globals it may name
+  /// @param limits the bounds it is held to
   /// @param load_data true: storages are read into CPU tensors; false: only their sizes are checked
   ///        against the records and the tensors are meta tensors (a check that reads no weights)
   /// @throws trainloop::CheckpointError naming the file, the record and, for a pickle that is
