@@ -11,9 +11,75 @@ macro(trainloop_find_dependencies)
   find_dependency(Threads)
   find_dependency(ZLIB)
   find_dependency(range-v3)
+  trainloop_prepare_torch_search()
   find_dependency(Torch)
+  trainloop_check_torch()
+  set(CMAKE_PREFIX_PATH ${_trainloop_saved_prefix_path})
   trainloop_find_optional_dependencies()
 endmacro()
+
+# libtorch's TorchConfig.cmake finds its libraries with find_library(... PATHS <its prefix>/lib),
+# which CMake searches only after the system's library directories: on a machine that also has
+# Debian's libtorch-dev, pip torch's config took /usr/lib's libtorch.so (seen here: 2.11's
+# headers with 1.13's library). Putting the config's own prefix first in CMAKE_PREFIX_PATH (for
+# the find_package(Torch) call only; the caller restores it from _trainloop_saved_prefix_path)
+# makes it find its own. A CUDA libtorch without a CUDA toolkit stops here, saying so, instead
+# of deep inside Caffe2's cuda.cmake.
+macro(trainloop_prepare_torch_search)
+  set(_trainloop_saved_prefix_path ${CMAKE_PREFIX_PATH})
+  find_path(TRAINLOOP_TORCH_CONFIG_DIR TorchConfig.cmake HINTS ${Torch_DIR}
+            PATH_SUFFIXES Torch share/cmake/Torch lib/cmake/Torch lib/${CMAKE_LIBRARY_ARCHITECTURE}/cmake/Torch
+            DOC "The folder of the TorchConfig.cmake that trainloop's checks of libtorch looked at")
+  if(TRAINLOOP_TORCH_CONFIG_DIR)
+    get_filename_component(_trainloop_torch_root "${TRAINLOOP_TORCH_CONFIG_DIR}/../../.." ABSOLUTE)
+    if(EXISTS "${_trainloop_torch_root}/lib/libtorch_cpu.so")  # pip's and the libtorch zip's layout
+      list(PREPEND CMAKE_PREFIX_PATH "${_trainloop_torch_root}")
+      if(EXISTS "${_trainloop_torch_root}/lib/libtorch_cuda.so" AND NOT CMAKE_CUDA_COMPILER)
+        find_program(TRAINLOOP_NVCC nvcc HINTS ENV CUDA_HOME ENV CUDA_PATH PATH_SUFFIXES bin PATHS /usr/local/cuda/bin)
+        if(NOT TRAINLOOP_NVCC)
+          message(FATAL_ERROR "trainloop: the libtorch at ${_trainloop_torch_root} is a CUDA build "
+                  "(lib/libtorch_cuda.so) and its CMake config needs the CUDA toolkit, but no nvcc was found (PATH, "
+                  "$CUDA_HOME, /usr/local/cuda); expected the CUDA toolkit it was built with "
+                  "(-DCMAKE_CUDA_COMPILER=/path/to/nvcc), or a CPU-only libtorch")
+        endif()
+      endif()
+    endif()
+  endif()
+endmacro()
+
+# After find_package(Torch): a libtorch trainloop supports (1.13 or newer), whose libraries are
+# its own (see trainloop_prepare_torch_search), else a configure error naming what was found.
+function(trainloop_check_torch)
+  set(version "${Torch_VERSION}")
+  if(NOT version)
+    find_file(TRAINLOOP_TORCH_VERSION_HEADER torch/version.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+    set(version_header "${TRAINLOOP_TORCH_VERSION_HEADER}")
+    unset(TRAINLOOP_TORCH_VERSION_HEADER CACHE)  # another libtorch in this build tree finds its own
+    if(version_header)
+      file(STRINGS "${version_header}" lines REGEX "#define TORCH_VERSION_(MAJOR|MINOR) ")
+      string(REGEX MATCH "MAJOR ([0-9]+)" _ "${lines}")
+      set(major "${CMAKE_MATCH_1}")
+      string(REGEX MATCH "MINOR ([0-9]+)" _ "${lines}")
+      set(version "${major}.${CMAKE_MATCH_1}")
+    endif()
+  endif()
+  if(version AND version VERSION_LESS 1.13)
+    message(FATAL_ERROR "trainloop: libtorch ${version} was found (${Torch_DIR}); expected libtorch 1.13 or newer "
+            "(pip torch 2.x: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)'), "
+            "or Debian's libtorch-dev)")
+  endif()
+  if(TORCH_LIBRARY AND TORCH_INSTALL_PREFIX AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cpu.so")
+    get_filename_component(found_dir "${TORCH_LIBRARY}" DIRECTORY)
+    get_filename_component(found_dir "${found_dir}" REALPATH)
+    get_filename_component(own_dir "${TORCH_INSTALL_PREFIX}/lib" REALPATH)
+    if(NOT found_dir STREQUAL own_dir)
+      message(FATAL_ERROR "trainloop: the libtorch config at ${Torch_DIR} (libtorch ${version}) took its library "
+              "from ${TORCH_LIBRARY}, another libtorch's; expected ${own_dir}/libtorch.so. Add "
+              "${TORCH_INSTALL_PREFIX} to CMAKE_PREFIX_PATH, or clear TORCH_LIBRARY from the cache")
+    endif()
+  endif()
+  set(TRAINLOOP_TORCH_VERSION "${version}" PARENT_SCOPE)
+endfunction()
 
 # Optional: JPEG and PNG decoding (ImageFolder), cairo (training-curve plots as PNG). Without
 # one, that feature reports at run time what to install (see data/image_decode.hpp, plots).
@@ -163,7 +229,11 @@ if(NOT TRAINLOOP_LOADING_PACKAGE_CONFIG)
   # find_package(Torch) would fail with a CUDA libtorch (Caffe2's cuda.cmake creates
   # caffe2::cuda and friends without checking whether they exist).
   if(NOT TARGET torch)
+    trainloop_prepare_torch_search()
     find_package(Torch REQUIRED)
+    trainloop_check_torch()
+    set(CMAKE_PREFIX_PATH ${_trainloop_saved_prefix_path})
+    message(STATUS "trainloop: libtorch ${TRAINLOOP_TORCH_VERSION} from ${Torch_DIR}")
   endif()
   trainloop_find_optional_dependencies()
   message(STATUS "trainloop: JPEG ${JPEG_FOUND}, PNG ${PNG_FOUND}, cairo ${TRAINLOOP_CAIRO_FOUND} (optional)")

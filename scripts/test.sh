@@ -1,23 +1,74 @@
 #!/usr/bin/env bash
-# Builds trainloop and runs its whole test suite: the command the README and CI use.
+# Builds trainloop and runs its test suite: the command the README and CI use.
 #
-#   scripts/test.sh                  # Release build in build/, then ctest
-#   BUILD_DIR=build-x scripts/test.sh
-#   scripts/test.sh -R test_data     # extra arguments go to ctest
+#   scripts/test.sh                      # pip torch 2.11 (CUDA + NCCL compiled, run on the CPU): every
+#                                        # test; then Debian's libtorch 1.13: build + -L unit + -L python
+#   scripts/test.sh --libtorch pip       # only pip torch 2.11, every test
+#   scripts/test.sh --libtorch debian    # only Debian's 1.13, every test
+#   scripts/test.sh -R test_data         # other arguments go to ctest (of every libtorch run)
+#   TRAINLOOP_DEBIAN_TESTS=all scripts/test.sh   # the whole suite on 1.13 too
 #
-# Installs missing system packages first (scripts/install-deps.sh). Exits with ctest's status.
+# Builds in build/ (pip) and build-debian/ (Debian); BUILD_DIR overrides the first. Installs what
+# is missing first (scripts/install-deps.sh). Prints each run's ctest summary, then one line
+# "N passed, N failed, N skipped" over all runs; exits non-zero if any test failed.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-build_dir=${BUILD_DIR:-$repo/build}
+runs=(pip debian)
+ctest_args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --libtorch) runs=("${2:-}"); shift ;;
+    --libtorch=*) runs=("${1#--libtorch=}") ;;
+    *) ctest_args+=("$1") ;;
+  esac
+  shift
+done
+combined=$([[ ${#runs[@]} -gt 1 ]] && echo 1 || echo 0)
+install_choice=$([[ $combined == 1 ]] && echo both || echo "${runs[0]}")
+# shellcheck source=scripts/libtorch-env.sh
+source "$repo/scripts/libtorch-env.sh"
+"$repo/scripts/install-deps.sh" --libtorch "$install_choice"
 jobs=$(nproc)
 
-"$repo/scripts/install-deps.sh"
+passed=0 failed=0 skipped=0 status=0
+summaries=()
+run_suite() {  # $1: pip|debian; the rest: ctest's selection
+  local libtorch=$1
+  shift
+  local build_dir
+  if [[ $libtorch == pip ]]; then build_dir=${BUILD_DIR:-$repo/build}; else build_dir=$repo/build-debian; fi
+  rm -f "$build_dir/ctest-summary.log"
+  (
+    trainloop_libtorch "$libtorch"
+    echo "test.sh: $libtorch_describe, build in $build_dir"
+    local started=$SECONDS
+    cmake -S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DTRAINLOOP_WARNINGS_AS_ERRORS=ON "${libtorch_cmake_args[@]}"
+    cmake --build "$build_dir" -j "$jobs"
+    echo "test.sh: built with $libtorch_describe in $((SECONDS - started)) s"
+    cd "$build_dir"
+    ctest --output-on-failure "$@" "${ctest_args[@]}" 2>&1 | tee "$build_dir/ctest-summary.log"
+    exit "${PIPESTATUS[0]}"
+  ) || status=1
+  local log=$build_dir/ctest-summary.log
+  [[ -f $log ]] || return 0
+  local line total fail skip
+  line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1 || true)
+  total=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<< "$line")
+  fail=$(sed -E 's/.*passed, ([0-9]+) tests failed.*/\1/' <<< "$line")
+  skip=$(grep -cE "\*\*\*Skipped|Not Run" "$log" || true)
+  [[ -n $total && -n $fail ]] || return 0
+  passed=$((passed + total - fail - skip)); failed=$((failed + fail)); skipped=$((skipped + skip))
+  summaries+=("$libtorch: $((total - fail - skip)) passed, $fail failed, $skip skipped")
+}
 
-cmake -S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DTRAINLOOP_WARNINGS_AS_ERRORS=ON
-cmake --build "$build_dir" -j "$jobs"
-
-cd "$build_dir"
-status=0
-ctest --output-on-failure "$@" || status=$?
+for libtorch in "${runs[@]}"; do
+  if [[ $libtorch == debian && $combined == 1 && ${TRAINLOOP_DEBIAN_TESTS:-} != all ]]; then
+    run_suite debian -L "unit|python"  # the CI time budget: 1.13's build, unit and Python-interop tests
+  else
+    run_suite "$libtorch"
+  fi
+done
+for line in "${summaries[@]}"; do echo "test.sh: $line"; done
+echo "$passed passed, $failed failed, $skipped skipped"
 exit "$status"

@@ -213,7 +213,7 @@ BOOST_AUTO_TEST_CASE(dp_with_dropout_on_cuda_is_reproducible_and_resumes_exactly
   at::globalContext().setAllowTF32CuBLAS(false);
   // Every visible device once, and cuda:0 twice more: replicas on one device share its generator.
   std::vector<torch::Device> devices;
-  for (size_t i = 0; i < torch::cuda::device_count(); ++i) devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
+  for (size_t i = 0; i < trainloop::detail::cuda_device_count(); ++i) devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
   devices.emplace_back("cuda:0");
   const auto dir = std::filesystem::temp_directory_path() / ("trainloop_cuda_dp_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);

@@ -7,6 +7,7 @@
 /// Layout of the byte tensor: int64 count n, then n int64 lengths, then the n generator states
 /// (CPU first, then cuda:0 .. cuda:n-2), all as raw bytes.
 
+#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/error.hpp>
 
 #include <ATen/Context.h>
@@ -23,7 +24,7 @@ namespace trainloop::detail {
 inline std::vector<at::Generator> rng_generators() {
   std::vector<at::Generator> generators{at::globalContext().defaultGenerator(torch::Device(torch::kCPU))};
   if (torch::cuda::is_available()) {
-    for (size_t i = 0; i < torch::cuda::device_count(); ++i) {
+    for (size_t i = 0; i < trainloop::detail::cuda_device_count(); ++i) {
       generators.push_back(
           at::globalContext().defaultGenerator(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i))));
     }

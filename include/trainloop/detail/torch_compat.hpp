@@ -83,6 +83,7 @@ using AutogradPostHook = ::torch::autograd::FunctionPostHook;
 #include <ATen/autocast_mode.h>
 #include <ATen/ATen.h>
 #include <c10/util/string_utils.h>
+#include <torch/cuda.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
@@ -93,6 +94,10 @@ using AutogradPostHook = ::torch::autograd::FunctionPostHook;
 #define TRAINLOOP_TORCH_2_4 (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
 
 namespace trainloop::detail {
+
+/// The number of CUDA devices, as a count: libtorch 1.13's torch::cuda::device_count() returns
+/// size_t, 2.x's a c10::DeviceIndex (int8: it compares signed and streams as a character).
+inline size_t cuda_device_count() { return static_cast<size_t>(torch::cuda::device_count()); }
 
 /// Zeroes `optimizer`'s gradients in place, keeping the tensors: libtorch 1.13's only behaviour;
 /// 2.x's zero_grad() sets them to none by default, which would drop gradients kept as views of

@@ -3,6 +3,7 @@
 /// @brief gpu_mode::DataParallel: one process, one persistent replica of the model per device
 /// (CUDA devices, or CPU replicas), each batch split across them.
 
+#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/replicas/batch_split.hpp>
 #include <trainloop/detail/blas_threads.hpp>
 #include <trainloop/detail/error_context.hpp>
@@ -135,7 +136,7 @@ struct DataParallel {
   static std::vector<torch::Device> default_devices() {
     std::vector<torch::Device> devices;
     if (torch::cuda::is_available()) {
-      for (size_t i = 0; i < torch::cuda::device_count(); ++i)
+      for (size_t i = 0; i < trainloop::detail::cuda_device_count(); ++i)
         devices.emplace_back(torch::kCUDA, static_cast<torch::DeviceIndex>(i));
     }
     if (devices.empty()) devices.assign(2, torch::Device(torch::kCPU));

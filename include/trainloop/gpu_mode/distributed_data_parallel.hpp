@@ -114,7 +114,7 @@ struct DistributedDataParallel {
   int resolved_procs_per_node() const {
     if (procs_per_node_ > 0) return procs_per_node_;
     if (!gpus_.empty()) return static_cast<int>(gpus_.size());
-    return resolved_device_type() == torch::kCUDA ? static_cast<int>(torch::cuda::device_count()) : 2;
+    return resolved_device_type() == torch::kCUDA ? static_cast<int>(trainloop::detail::cuda_device_count()) : 2;
   }
   /// @brief Throws trainloop::Error naming the first option out of range.
   void validate() const {

@@ -2,6 +2,7 @@
 /// @file
 /// @brief gpu_mode::Single: train on one device (CPU or one CUDA device) in this process.
 
+#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/model_contract.hpp>
@@ -45,8 +46,8 @@ inline void check_device_available(const torch::Device& device) {
   TRAINLOOP_CHECK(torch::cuda::is_available(), "device ", device.str(),
                   " was asked for, but CUDA is not available (this libtorch has no CUDA, or no GPU is visible); "
                   "expected a device such as cpu");
-  TRAINLOOP_CHECK(!device.has_index() || device.index() < static_cast<int64_t>(torch::cuda::device_count()),
-                  "device ", device.str(), " does not exist; this machine has ", torch::cuda::device_count(),
+  TRAINLOOP_CHECK(!device.has_index() || device.index() < static_cast<int64_t>(trainloop::detail::cuda_device_count()),
+                  "device ", device.str(), " does not exist; this machine has ", trainloop::detail::cuda_device_count(),
                   " CUDA device(s)");
 }
 
