@@ -214,6 +214,10 @@ class ProcessGroup {
     output.copy_(summed.narrow(0, rank_ * output.numel(), output.numel()).view_as(output));
   }
 
+  /// True while reduce_scatter_sum() uses the backend's own reduce-scatter (false once a backend
+  /// without one, libtorch 1.13's Gloo, made it fall back to an all-reduce).
+  bool native_reduce_scatter() const { return native_reduce_scatter_; }
+
   /// Concatenates every rank's `input` (the same number of elements on every rank) in rank order
   /// into `output` (world_size() times as many): a sharded optimizer's parameter step. An
   /// allgather into views of `output`, which every backend has.
