@@ -36,7 +36,9 @@ macro(trainloop_prepare_torch_search)
       list(PREPEND CMAKE_PREFIX_PATH "${_trainloop_torch_root}")
       if(EXISTS "${_trainloop_torch_root}/lib/libtorch_cuda.so" AND NOT CMAKE_CUDA_COMPILER)
         find_program(TRAINLOOP_NVCC nvcc HINTS ENV CUDA_HOME ENV CUDA_PATH PATH_SUFFIXES bin PATHS /usr/local/cuda/bin)
-        if(NOT TRAINLOOP_NVCC)
+        if(TRAINLOOP_NVCC AND NOT DEFINED ENV{CUDACXX})
+          set(ENV{CUDACXX} "${TRAINLOOP_NVCC}")  # Caffe2's config enables CUDA: the same nvcc, also off PATH
+        elseif(NOT TRAINLOOP_NVCC)
           message(FATAL_ERROR "trainloop: the libtorch at ${_trainloop_torch_root} is a CUDA build "
                   "(lib/libtorch_cuda.so) and its CMake config needs the CUDA toolkit, but no nvcc was found (PATH, "
                   "$CUDA_HOME, /usr/local/cuda); expected the CUDA toolkit it was built with "
@@ -68,15 +70,20 @@ function(trainloop_check_torch)
             "(pip torch 2.x: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)'), "
             "or Debian's libtorch-dev)")
   endif()
-  if(TORCH_LIBRARY AND TORCH_INSTALL_PREFIX AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cpu.so")
-    get_filename_component(found_dir "${TORCH_LIBRARY}" DIRECTORY)
-    get_filename_component(found_dir "${found_dir}" REALPATH)
+  if(TORCH_INSTALL_PREFIX AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cpu.so")
     get_filename_component(own_dir "${TORCH_INSTALL_PREFIX}/lib" REALPATH)
-    if(NOT found_dir STREQUAL own_dir)
-      message(FATAL_ERROR "trainloop: the libtorch config at ${Torch_DIR} (libtorch ${version}) took its library "
-              "from ${TORCH_LIBRARY}, another libtorch's; expected ${own_dir}/libtorch.so. Add "
-              "${TORCH_INSTALL_PREFIX} to CMAKE_PREFIX_PATH, or clear TORCH_LIBRARY from the cache")
-    endif()
+    foreach(library_variable TORCH_LIBRARY C10_LIBRARY TORCH_CPU_LIBRARY C10_CUDA_LIBRARY)
+      if(NOT ${library_variable})
+        continue()
+      endif()
+      get_filename_component(found_dir "${${library_variable}}" DIRECTORY)
+      get_filename_component(found_dir "${found_dir}" REALPATH)
+      if(NOT found_dir STREQUAL own_dir)
+        message(FATAL_ERROR "trainloop: the libtorch config at ${Torch_DIR} (libtorch ${version}) took "
+                "${library_variable} from ${${library_variable}}, another libtorch's; expected it in ${own_dir}. Add "
+                "${TORCH_INSTALL_PREFIX} to CMAKE_PREFIX_PATH, or clear ${library_variable} from the cache")
+      endif()
+    endforeach()
   endif()
   set(TRAINLOOP_TORCH_VERSION "${version}" PARENT_SCOPE)
 endfunction()

@@ -9,6 +9,18 @@
 
 trainloop_venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/trainloop/torch-2.11.0}
 
+# The libtorch a command uses when none is named: pip torch 2.11, whose CMake config needs the
+# CUDA toolkit (its wheel is a CUDA build; this project's machines have CUDA 13 in /usr/local/cuda),
+# or, on a machine without nvcc, Debian's 1.13, said loudly.
+trainloop_default_libtorch() {
+  if command -v nvcc > /dev/null || [[ -x /usr/local/cuda/bin/nvcc ]] || [[ -n ${CUDA_HOME:-} && -x $CUDA_HOME/bin/nvcc ]]; then
+    echo pip
+  else
+    echo "trainloop: no CUDA toolkit (nvcc) here, which pip torch's CMake config needs; using Debian's libtorch 1.13 (install the CUDA toolkit for the 2.11 build)" >&2
+    echo debian
+  fi
+}
+
 trainloop_libtorch() {
   case "$1" in
     pip)

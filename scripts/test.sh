@@ -14,7 +14,10 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/libtorch-env.sh
+source "$repo/scripts/libtorch-env.sh"
 runs=(pip debian)
+[[ $(trainloop_default_libtorch) == pip ]] || runs=(debian)
 ctest_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -26,8 +29,6 @@ while [[ $# -gt 0 ]]; do
 done
 combined=$([[ ${#runs[@]} -gt 1 ]] && echo 1 || echo 0)
 install_choice=$([[ $combined == 1 ]] && echo both || echo "${runs[0]}")
-# shellcheck source=scripts/libtorch-env.sh
-source "$repo/scripts/libtorch-env.sh"
 "$repo/scripts/install-deps.sh" --libtorch "$install_choice"
 jobs=$(nproc)
 

@@ -12,7 +12,9 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-libtorch=pip
+# shellcheck source=scripts/libtorch-env.sh
+source "$repo/scripts/libtorch-env.sh"
+libtorch=
 args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -22,8 +24,7 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-# shellcheck source=scripts/libtorch-env.sh
-source "$repo/scripts/libtorch-env.sh"
+[[ -n $libtorch ]] || libtorch=$(trainloop_default_libtorch)
 "$repo/scripts/install-deps.sh" --libtorch "$libtorch"
 trainloop_libtorch "$libtorch"
 if [[ $libtorch == pip ]]; then default_build=$repo/build; else default_build=$repo/build-debian; fi

@@ -2,6 +2,7 @@
 // The small model, data and "program run" shared by the checkpoint tests (test_checkpoint,
 // test_checkpoint_files): a loop built from scratch as a restarted process builds it.
 
+#include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include "unit_test.hpp"
@@ -47,14 +48,8 @@ inline torch::Tensor optimizer_state(torch::optim::Adam& optimizer) {
   std::vector<torch::Tensor> parts;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
-      // The state's key is the parameter's TensorImpl address, printed as a pointer (1.13) or
-      // as a decimal number (2.x): try both.
-      std::ostringstream pointer;
-      pointer << p.unsafeGetTensorImpl();
-      auto found = optimizer.state().find(pointer.str());
-      if (found == optimizer.state().end()) {
-        found = optimizer.state().find(std::to_string(reinterpret_cast<uintptr_t>(p.unsafeGetTensorImpl())));
-      }
+      // The state's key: the parameter's TensorImpl address, printed (1.13) or itself (2.11).
+      auto found = optimizer.state().find(trainloop::detail::optimizer_state_key(optimizer.state(), p));
       BOOST_REQUIRE(found != optimizer.state().end());
       auto& state = static_cast<torch::optim::AdamParamState&>(*found->second);
       parts.push_back(torch::full({1}, static_cast<double>(state.step()), torch::kFloat64));

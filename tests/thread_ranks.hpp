@@ -6,6 +6,7 @@
 #include <trainloop/distributed/process_group.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <thread>
@@ -26,6 +27,12 @@ inline trainloop::distributed::ProcessGroupOptions thread_rank_options(int rank,
 /// succeeded).
 inline std::vector<std::exception_ptr> run_ranks_collecting(
     int world_size, const std::function<void(trainloop::distributed::ProcessGroup&)>& body) {
+  // libtorch 2.11's c10d flight recorder (one per process, shared by every process group) adds a
+  // group to its status map before taking its mutex (FlightRecorderDetail.hpp, recordWithResetEnabled):
+  // two thread-ranks enqueueing their first collectives at once corrupted the map (SIGSEGV in
+  // test_gradient_reducer). One rank per process, as trainloop runs them, never meets it; here
+  // the recorder is switched off before the first group reads its size (0 entries: disabled).
+  ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   const int port = trainloop::distributed::find_free_port();
   std::vector<std::exception_ptr> errors(world_size);
   std::vector<std::thread> threads;

@@ -23,10 +23,14 @@ if(NOT probe_result EQUAL 0)
   return()
 endif()
 
+# A fresh cache: one left from another libtorch would keep that libtorch's libraries.
+file(REMOVE "${WORK_DIR}/build/CMakeCache.txt")
+# The prefix path holds ';', which a command line of execute_process would split: a cache file.
 string(REPLACE "|" ";" prefix_path "${PREFIX_PATH}")
-set(configure ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo
-    -DCMAKE_CXX_COMPILER=${clang} -DTorch_DIR=${TORCH_DIR} -DTRAINLOOP_INCLUDE_DIR=${INCLUDE_DIR}
-    "-DCMAKE_PREFIX_PATH=${prefix_path}")
+file(WRITE "${WORK_DIR}/initial-cache.cmake" "set(CMAKE_PREFIX_PATH \"${prefix_path}\" CACHE STRING \"\")\n")
+set(configure ${CMAKE_COMMAND} -C "${WORK_DIR}/initial-cache.cmake" -S "${SOURCE_DIR}" -B "${WORK_DIR}/build"
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=${clang} -DTorch_DIR=${TORCH_DIR}
+    -DTRAINLOOP_INCLUDE_DIR=${INCLUDE_DIR})
 if(CUDA_COMPILER)
   list(APPEND configure -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER})
 endif()

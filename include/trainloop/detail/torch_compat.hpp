@@ -112,8 +112,9 @@ inline void zero_grad_in_place(torch::optim::Optimizer& optimizer) {
 
 /// The key under which libtorch's optimizers keep `parameter`'s state in `state` (the map
 /// Optimizer::state() returns): the TensorImpl address, as a pointer printed by
-/// c10::guts::to_string in 1.13, as a decimal number in 2.x (tests/checkpoint_test_model.hpp, from
-/// a 2.x run), or the address itself should the map be keyed by it.
+/// c10::guts::to_string in 1.13 (a std::string key); in 2.11 the map is keyed by the address
+/// itself (void*; checked by building against pip torch 2.11.0), and an intermediate 2.x printed
+/// it as a decimal number.
 template <class StateMap>
 auto optimizer_state_key(const StateMap& /*state*/, const at::Tensor& parameter) {
   using Key = typename StateMap::key_type;

@@ -133,8 +133,12 @@ class TorchArchive {
                              PickleLimits limits = {}) {
     check_byte_order();
     const std::string bytes = read(name, limits.max_pickle_bytes);
+    // A pickle's storages are in the folder named as it is ("data.pkl": data/, a TorchScript
+    // archive's "constants.pkl": constants/), or in .data/ when libtorch shared them.
+    const std::string folder = name.substr(0, name.rfind('.')) + "/";
     auto load_storage = [&](const std::string& key, torch::ScalarType dtype, int64_t numel) {
-      const std::string record = "data/" + key;
+      std::string record = folder + key;
+      if (!sizes_.count(record) && sizes_.count(".data/" + key)) record = ".data/" + key;
       const auto found = sizes_.find(record);
       if (found == sizes_.end()) throw error(concat_("lacks the storage ", record, "; expected a complete file"));
       const int64_t nbytes = checked_mul(numel, static_cast<int64_t>(c10::elementSize(dtype)), "a storage's byte size");
@@ -176,15 +180,17 @@ class TorchArchive {
     check_pickles();
   }
 
-  /// @brief Checks that every pickle of the archive (data.pkl, constants.pkl, the code's debug
-  /// tables) reads under the safe unpickler's allow-list and limits, without reading weights:
-  /// libtorch's own unpickler, which bounds neither nesting nor memory, reads them after this.
+  /// @brief Checks that every pickle `torch::jit::load` reads of the archive (data.pkl,
+  /// constants.pkl, the code's debug tables) reads under the safe unpickler's allow-list and
+  /// limits, without reading weights: libtorch's own unpickler, which bounds neither nesting nor
+  /// memory, reads them after this. (A traced model's traced_inputs.pkl, whose storages 2.11
+  /// writes empty, is read by libtorch only when asked to restore shapes, which trainloop never does.)
   /// @throws trainloop::CheckpointError naming the file and the record that fails.
   void check_pickles() {
     for (const auto& [name, size] : sizes_) {
-      if ((ends_with(name, ".pkl") || ends_with(name, ".debug_pkl")) && name.rfind("data/", 0) != 0) {
-        read_pickle(name, PickleFlavor::TorchScript, /*load_data=*/false);
-      }
+      const bool read_by_load = name == "data.pkl" || name == "constants.pkl" ||
+                                (name.rfind("code/", 0) == 0 && ends_with(name, ".debug_pkl"));
+      if (read_by_load) read_pickle(name, PickleFlavor::TorchScript, /*load_data=*/false);
     }
   }
 
