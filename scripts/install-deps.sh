@@ -21,7 +21,7 @@ usage() {
 # build (CUDA 13.0, NCCL 2.28). torchvision 0.26 is 2.11's.
 torch_version=2.11.0
 torchvision_version=0.26.0
-venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/trainloop/torch-$torch_version}
+venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/trainloop/torch-$torch_version}
 
 packages=(
   build-essential cmake            # compiler, CMake >= 3.18

@@ -7,7 +7,7 @@
 # same libtorch: the reference of the tests that compare with Python, and torchrun's), and
 # libtorch_describe (for messages). Puts the venv's bin (torchrun) first on PATH for pip.
 
-trainloop_venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/trainloop/torch-2.11.0}
+trainloop_venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/trainloop/torch-2.11.0}
 
 # The libtorch a command uses when none is named: pip torch 2.11, whose CMake config needs the
 # CUDA toolkit (its wheel is a CUDA build; this project's machines have CUDA 13 in /usr/local/cuda),

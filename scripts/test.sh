@@ -45,7 +45,17 @@ run_suite() {  # $1: pip|debian; the rest: ctest's selection
     echo "test.sh: $libtorch_describe, build in $build_dir"
     local started=$SECONDS
     cmake -S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DTRAINLOOP_WARNINGS_AS_ERRORS=ON "${libtorch_cmake_args[@]}"
-    cmake --build "$build_dir" -j "$jobs"
+    local targets=()
+    if [[ $# -gt 0 ]]; then
+      # A selection of tests (-L ...): build only their programs (and what they depend on).
+      mapfile -t targets < <(cd "$build_dir" && ctest -N "$@" | awk '/Test +#[0-9]+:/ {print $3}' |
+        grep -Fxf <(cmake --build . --target help | awk '/^\.\.\. / {print $2}') || true)
+    fi
+    if [[ ${#targets[@]} -gt 0 ]]; then
+      cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
+    else
+      cmake --build "$build_dir" -j "$jobs"
+    fi
     echo "test.sh: built with $libtorch_describe in $((SECONDS - started)) s"
     cd "$build_dir"
     ctest --output-on-failure "$@" "${ctest_args[@]}" 2>&1 | tee "$build_dir/ctest-summary.log"
