@@ -565,7 +565,10 @@ BOOST_AUTO_TEST_CASE(freed_memory_stays_in_the_process_after_a_fit) {
   }
   const long long after = faults();
   BOOST_TEST_MESSAGE("minor page faults for 5 x 64 MiB allocations after the first: " << after - before);
-  BOOST_TEST(after - before < 1000);  // fresh mmaps would fault 5 x 16384 pages
+  // Fresh mmaps would fault 5 x 16384 pages. A heap that had to grow once (a small allocation
+  // of another thread settling in the freed chunk: seen once in CI with libtorch 2.11, 16,384
+  // faults) still keeps the other four.
+  BOOST_TEST(after - before < 2 * 16384);
 }
 
 BOOST_AUTO_TEST_CASE(two_metrics_of_one_name_are_a_configuration_error_naming_both) {
