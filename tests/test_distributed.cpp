@@ -3,6 +3,7 @@
 
 #include "ddp_test_model.hpp"
 #include "small_tmpfs.hpp"
+#include "test_support.hpp"
 
 #include <spawn.h>
 #include <sys/socket.h>
@@ -65,15 +66,7 @@ WorkerRun run_worker(const std::string& scenario, int world, int port = 0, const
 }
 
 /// Processes still running this worker binary (none may outlive a job).
-int leftover_workers() {
-  int count = 0;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    std::error_code ec;
-    auto exe = fs::read_symlink(entry.path() / "exe", ec);
-    if (!ec && exe.filename() == "ddp_worker") ++count;
-  }
-  return count;
-}
+int leftover_workers() { return processes_running("ddp_worker"); }
 
 BOOST_AUTO_TEST_CASE(ddp_matches_one_process_with_the_combined_batch) {
   for (int world : {2, 3}) {

@@ -3,6 +3,10 @@
 
 #include <trainloop/error.hpp>
 
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -52,3 +56,32 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
 };
 
+/// What a shell command printed (stdout; append 2>&1 for stderr too) and its exit status (-1
+/// when a signal ended it).
+struct CommandRun {
+  int exit_code = -1;
+  std::string output;
+};
+
+/// Runs `command` through the shell and waits for it.
+inline CommandRun run_command(const std::string& command) {
+  CommandRun run;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> buffer{};
+  while (size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) run.output.append(buffer.data(), n);
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+/// Processes running an executable named `name` (none of a job's may outlive it).
+inline int processes_running(const std::string& name) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    std::error_code ec;
+    const auto exe = std::filesystem::read_symlink(entry.path() / "exe", ec);
+    if (!ec && exe.filename() == name) ++count;
+  }
+  return count;
+}

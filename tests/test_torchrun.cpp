@@ -14,11 +14,8 @@
 #include "ddp_test_model.hpp"
 #include "test_support.hpp"
 
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -56,34 +53,14 @@ boost::test_tools::assertion_result torchrun_works(boost::unit_test::test_unit_i
   return result;
 }
 
-struct Run {
-  int exit_code = -1;
-  std::string output;
-};
-
 /// `env torchrun --standalone --nproc-per-node 2 [flags] --no-python ddp_worker scenario 2 dir`.
-Run run_torchrun(const std::string& env, const std::string& flags, const std::string& scenario, const fs::path& dir) {
-  const std::string command = "env " + env + " " + torchrun() + " --standalone --nproc-per-node 2 " + flags +
-                              " --no-python " DDP_WORKER_PATH " " + scenario + " 2 '" + dir.string() + "' 2>&1";
-  Run run;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  std::array<char, 4096> buffer{};
-  while (size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) run.output.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+CommandRun run_torchrun(const std::string& env, const std::string& flags, const std::string& scenario,
+                        const fs::path& dir) {
+  return run_command("env " + env + " " + torchrun() + " --standalone --nproc-per-node 2 " + flags +
+                     " --no-python " DDP_WORKER_PATH " " + scenario + " 2 '" + dir.string() + "' 2>&1");
 }
 
-/// Processes still running the worker binary (none may outlive a job).
-int leftover_workers() {
-  int count = 0;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    std::error_code ec;
-    const auto exe = fs::read_symlink(entry.path() / "exe", ec);
-    if (!ec && exe.filename() == "ddp_worker") ++count;
-  }
-  return count;
-}
+int leftover_workers() { return processes_running("ddp_worker"); }
 
 }  // namespace
 
