@@ -27,6 +27,7 @@
 /// unpickler.cpp of both), so no option or callback of it helps.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/pickle_builder.hpp>
 #include <trainloop/serialization/pickle_globals.hpp>
 #include <trainloop/serialization/pickle_limits.hpp>
 #include <trainloop/serialization/pickle_value.hpp>
@@ -52,14 +53,14 @@ namespace trainloop::serialization {
 using StorageLoader = std::function<torch::Tensor(const std::string& key, torch::ScalarType dtype, int64_t numel)>;
 
 /// @brief Reads one pickle into a PickleDocument.
-class Unpickler {
+class Unpickler : private PickleBuilder {
  public:
   /// @param bytes the pickle; must outlive run()
   /// @param flavor which globals it may name
   /// @param load_storage reads a storage the pickle refers to by persistent id
   /// @param limits the bounds it is held to
   Unpickler(std::string_view bytes, PickleFlavor flavor, StorageLoader load_storage, PickleLimits limits = {})
-      : bytes_(bytes), flavor_(flavor), load_storage_(std::move(load_storage)), limits_(limits) {}
+      : PickleBuilder(limits), bytes_(bytes), flavor_(flavor), load_storage_(std::move(load_storage)) {}
 
   /// @brief Runs the pickle to its STOP.
   /// @throws PickleError naming the byte offset of the opcode that failed and the reason.
@@ -88,8 +89,7 @@ class Unpickler {
     return std::move(document_);
   }
 
-  /// @brief What the pickle used of the limits (complete after run()).
-  const PickleStats& stats() const { return stats_; }
+  using PickleBuilder::stats;
 
  private:
   using Kind = PickleValue::Kind;
@@ -117,59 +117,6 @@ class Unpickler {
     if (end == std::string_view::npos) fail("the pickle is truncated");
     const size_t length = end - pos_;
     return take(length + 1).substr(0, length);
-  }
-
-  // ---- memory and nesting ----
-  void charge(size_t bytes) {
-    stats_.value_bytes += bytes;
-    if (stats_.value_bytes > limits_.max_value_bytes) {
-      fail("the pickle's values need more than ", limits_.max_value_bytes, " bytes; expected a file of weights");
-    }
-  }
-  uint32_t depth_of(const PickleValue& value) const {
-    return value.is_container() ? document_.depths_[value.index] : 0;
-  }
-  /// A new container holding `items`.
-  PickleValue make_container(Kind kind, std::vector<PickleValue> items) {
-    charge(48 + items.size() * sizeof(PickleValue));
-    uint32_t depth = 1;
-    for (const auto& item : items) depth = std::max(depth, depth_of(item) + 1);
-    check_depth(depth);
-    PickleValue value;
-    value.kind = kind;
-    value.index = static_cast<uint32_t>(document_.containers_.size());
-    document_.containers_.push_back(std::move(items));
-    document_.depths_.push_back(depth);
-    return value;
-  }
-  void check_depth(uint32_t depth) {
-    stats_.depth = std::max(stats_.depth, depth);
-    if (depth > limits_.max_depth) fail("the pickle nests containers ", depth, " deep; expected at most ", limits_.max_depth);
-  }
-  /// Appends `items` to the container `target` (a list or dict being filled).
-  void extend(const PickleValue& target, std::vector<PickleValue> items) {
-    charge(items.size() * sizeof(PickleValue));
-    auto& depth = document_.depths_[target.index];
-    for (const auto& item : items) depth = std::max(depth, depth_of(item) + 1);
-    check_depth(depth);
-    auto& container = document_.containers_[target.index];
-    container.insert(container.end(), std::make_move_iterator(items.begin()), std::make_move_iterator(items.end()));
-  }
-  PickleValue make_text(Kind kind, std::string_view text) {
-    charge(32 + text.size());
-    PickleValue value;
-    value.kind = kind;
-    value.index = static_cast<uint32_t>(document_.texts_.size());
-    document_.texts_.emplace_back(text);
-    return value;
-  }
-  PickleValue make_tensor(Kind kind, torch::Tensor tensor) {
-    charge(256);  // a TensorImpl and its sizes
-    PickleValue value;
-    value.kind = kind;
-    value.index = static_cast<uint32_t>(document_.tensors_.size());
-    document_.tensors_.push_back(std::move(tensor));
-    return value;
   }
 
   // ---- stack and MARKs: nothing below the last MARK is reachable ----
@@ -307,9 +254,8 @@ class Unpickler {
       case Kind::Object: {
         // A TorchScript object's attributes, by name. No method of its class runs.
         if (state.kind != Kind::Dict) fail("BUILD of ", a_kind(state.kind), " on an object; expected a dict of attributes");
-        auto& object = document_.containers_[target.index];
-        if (object[1].kind != Kind::None) fail("BUILD on an object that has its attributes; expected one BUILD");
-        extend_state(target, state);
+        if (document_.items(target)[1].kind != Kind::None) fail("BUILD on an object that has its attributes; expected one BUILD");
+        set_object_state(target, state);
         break;
       }
       case Kind::Dict:
@@ -325,13 +271,6 @@ class Unpickler {
         fail("BUILD on ", a_kind(target.kind), "; expected one on an OrderedDict, a tensor or a TorchScript object");
     }
   }
-  void extend_state(const PickleValue& object, const PickleValue& state) {
-    auto& depth = document_.depths_[object.index];
-    depth = std::max(depth, depth_of(state) + 1);
-    check_depth(depth);
-    document_.containers_[object.index][1] = state;
-  }
-
   void step(uint8_t opcode) {
     switch (opcode) {
       case 0x80: {  // PROTO
@@ -453,11 +392,8 @@ class Unpickler {
   std::string_view bytes_;
   PickleFlavor flavor_;
   StorageLoader load_storage_;
-  PickleLimits limits_;
-  PickleStats stats_;
   size_t pos_ = 0;
   size_t opcode_at_ = 0;  // where the opcode being run starts, for messages
-  PickleDocument document_;
   std::vector<PickleValue> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PickleValue> memo_;

@@ -57,7 +57,7 @@ class PickleDocument {
   PickleValue root;
 
  private:
-  friend class Unpickler;
+  friend class PickleBuilder;
   std::vector<std::string> texts_;
   std::vector<std::vector<PickleValue>> containers_;
   std::vector<uint32_t> depths_;  // per container: nesting below it when last filled

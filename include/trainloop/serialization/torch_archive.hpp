@@ -97,12 +97,6 @@ class TorchArchive {
   const std::filesystem::path& path() const { return path_; }
   /// True when the archive has record `name` (without the archive's top folder).
   bool has(const std::string& name) const { return sizes_.count(name) != 0; }
-  /// The records' names (without the top folder).
-  std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    for (const auto& [name, size] : sizes_) out.push_back(name);
-    return out;
-  }
   /// True for a TorchScript archive (torch.jit.save, torch::save, a trainloop checkpoint): it has
   /// the constants table of compiled code, which torch.save's files do not (or no data.pkl at all).
   bool is_torchscript() const { return has("constants.pkl") || !has("data.pkl"); }
