@@ -76,6 +76,10 @@ struct RankEnv {
   int master_port = 0;                    ///< port of rank 0's TCPStore
   /// True under torchrun's agent store: every rank (rank 0 too) is a TCPStore client.
   bool use_agent_store = false;
+  /// torchrun's TORCHELASTIC_RESTART_COUNT: how often the agent restarted the workers. Its store
+  /// outlives the workers, so each attempt keeps its keys apart (a restarted rank 0 would
+  /// otherwise read the dead rank 1's address of the previous attempt and fail to connect).
+  int restart_count = 0;
   RankEnvSource source = RankEnvSource::None;  ///< who set the variables
   std::string run_dir;    ///< Trainloop source only: the launcher's run directory
   long launcher_pid = 0;  ///< Trainloop source only: the pid of the launching process
@@ -209,6 +213,7 @@ inline RankEnv rank_env_from_torchrun() {
   auto agent_store = env_string("TORCHELASTIC_USE_AGENT_STORE");
   env.use_agent_store = agent_store && (*agent_store == "True" || *agent_store == "true" ||
                                         *agent_store == "1");
+  env.restart_count = env_int("TORCHELASTIC_RESTART_COUNT").value_or(0);
   check_rank_env(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
   return env;
 }

@@ -49,6 +49,10 @@ inline ProcessGroup& session_process_group(ProcessGroupOptions options = {}) {
   options.master_addr = env->master_addr;
   options.master_port = env->master_port;
   if (env->use_agent_store) options.is_store_server = false;
+  // As torch's env:// handler does ("/worker/attempt_N"): keys of a failed attempt stay in the
+  // agent's store, and a restarted rank must never read them.
+  if (env->restart_count > 0)
+    options.store_prefix = "attempt_" + std::to_string(env->restart_count) + "/" + options.store_prefix;
   if (!session.group.valid()) {
     session.group = ProcessGroup::create(options);
     session.options = options;
