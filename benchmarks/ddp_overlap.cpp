@@ -2,6 +2,7 @@
 // a DDP step faster than all-reducing them after backward? 2 CPU ranks (Gloo).
 //
 //   ddp_overlap --repetitions 3 --layers 6 --width 1024 --batch-size 8 --steps 60 --bucket-cap-mib 2 --first-bucket-cap-mib 1
+//   ddp_overlap --comm-hook powersgd:4 ...   # the same, each bucket through a comm hook
 //
 // The model is a stack of `--layers` width x width linear layers (4 MiB of gradient each at
 // width 1024) with a small per-rank batch, so communication is a large share of the step, and the
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <string>
 #include <vector>
 
 namespace tl = trainloop;
@@ -43,6 +45,7 @@ int main(int argc, char** argv) {
   int repetitions = 3, ranks = 2;
   int64_t layers = 6, width = 1024, batch_size = 8, steps = 60;
   double bucket_cap_mib = 2.0, first_bucket_cap_mib = 1.0;
+  std::string comm_hook = "none";
   app.add_option("--repetitions", repetitions, "fit() runs per mode, interleaved");
   app.add_option("--ranks", ranks, "CPU ranks");
   app.add_option("--layers", layers, "hidden width x width layers");
@@ -51,6 +54,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "optimizer steps per epoch");
   app.add_option("--bucket-cap-mib", bucket_cap_mib, "cap of every bucket after the first");
   app.add_option("--first-bucket-cap-mib", first_bucket_cap_mib, "cap of the first bucket");
+  app.add_option("--comm-hook", comm_hook, "how gradients travel: none, fp16, bf16, powersgd[:RANK]");
   CLI11_PARSE(app, argc, argv);
   try {
     const int64_t samples = static_cast<int64_t>(ranks) * batch_size * steps;
@@ -71,7 +75,8 @@ int main(int argc, char** argv) {
                         .device_type(torch::kCPU)
                         .overlap(overlap)
                         .first_bucket_cap_bytes(static_cast<int64_t>(first_bucket_cap_mib * (1 << 20)))
-                        .bucket_cap_bytes(static_cast<int64_t>(bucket_cap_mib * (1 << 20)));
+                        .bucket_cap_bytes(static_cast<int64_t>(bucket_cap_mib * (1 << 20)))
+                        .comm_hook(tl::distributed::comm_hook_named(comm_hook));
         auto options = tl::TrainLoopOptions().batch_size(batch_size).shuffle(false);
         tl::TrainLoop<DeepLinear, tl::gpu_mode::DistributedDataParallel> loop(
             net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), options, mode);

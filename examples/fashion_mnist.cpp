@@ -10,7 +10,6 @@
 //   fashion_mnist --epochs 4 --precision bf16 --early-stop-patience 2
 //   fashion_mnist --epochs 4 --progress live | tee run.log             # the live bar, also into a pipe
 
-#include "example_mode.hpp"
 #include "fashion_net.hpp"
 
 #include <trainloop/trainloop.hpp>
@@ -87,7 +86,8 @@ int main(int argc, char** argv) {
 
   try {
     // The mode is chosen at run time; every mode then runs the same compiled loop.
-    trainloop::gpu_mode::Any mode = example_mode(gpu_mode, torch::Device(device), procs, replicas, comm_hook, zero);
+    trainloop::gpu_mode::Any mode =
+        trainloop::mode_from_flags(trainloop::ModeFlags{gpu_mode, device, procs, replicas, comm_hook, zero});
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;

@@ -14,7 +14,6 @@
 // ROOT/train/<class>/<image> and ROOT/test/<class>/<image> as torchvision's ImageFolder reads them
 // (scripts/export-fashion-mnist-images.sh writes Fashion-MNIST so, in RGB at any size).
 
-#include "example_mode.hpp"
 
 #include <trainloop/interop.hpp>
 #include <trainloop/models.hpp>

@@ -5,7 +5,6 @@
 //   image_folder --data ROOT --epochs 4 [--size 28] [--augment] [--workers 2] [--gpu-mode ddp]
 //   scripts/export-fashion-mnist-images.sh /tmp/fmnist-png && image_folder --data /tmp/fmnist-png
 
-#include "example_mode.hpp"
 #include "image_cnn.hpp"
 
 #include <trainloop/trainloop.hpp>
@@ -87,7 +86,7 @@ int main(int argc, char** argv) {
                 << '\n';
     }
 
-    trainloop::gpu_mode::Any mode = example_mode(gpu_mode, torch::Device(device), procs, replicas);
+    trainloop::gpu_mode::Any mode = trainloop::mode_from_flags(trainloop::ModeFlags{gpu_mode, device, procs, replicas});
     torch::manual_seed(seed);
     ImageCnn net(train.channels(), static_cast<int64_t>(train.classes().size()));
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));

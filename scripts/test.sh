@@ -48,8 +48,9 @@ run_suite() {  # $1: pip|debian; the rest: ctest's selection
     local targets=()
     if [[ $# -gt 0 ]]; then
       # A selection of tests (-L ...): build only their programs (and what they depend on).
-      mapfile -t targets < <(cd "$build_dir" && ctest -N "$@" | awk '/Test +#[0-9]+:/ {print $3}' |
-        grep -Fxf <(cmake --build . --target help | awk '/^\.\.\. / {print $2}') || true)
+      # Entries are <program>/<case> (or <program> until it is built): the programs to build.
+      mapfile -t targets < <(cd "$build_dir" && ctest -N "$@" | awk '/Test +#[0-9]+:/ {print $3}' | sed 's|/.*||' |
+        sort -u | grep -Fxf <(cmake --build . --target help | awk '/^\.\.\. / {print $2}') || true)
     fi
     if [[ ${#targets[@]} -gt 0 ]]; then
       cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
@@ -58,7 +59,10 @@ run_suite() {  # $1: pip|debian; the rest: ctest's selection
     fi
     echo "test.sh: built with $libtorch_describe in $((SECONDS - started)) s"
     cd "$build_dir"
-    ctest --output-on-failure "$@" "${ctest_args[@]}" 2>&1 | tee "$build_dir/ctest-summary.log"
+    # One entry per test case; rank-starting programs hold the lock "ranks" (tests/CMakeLists.txt),
+    # so -j runs them one at a time beside the rest. CTEST_PARALLEL_LEVEL overrides the default.
+    ctest --output-on-failure -j "${CTEST_PARALLEL_LEVEL:-$jobs}" "$@" "${ctest_args[@]}" 2>&1 |
+      tee "$build_dir/ctest-summary.log"
     exit "${PIPESTATUS[0]}"
   ) || status=1
   local log=$build_dir/ctest-summary.log
@@ -67,7 +71,7 @@ run_suite() {  # $1: pip|debian; the rest: ctest's selection
   line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1 || true)
   total=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<< "$line")
   fail=$(sed -E 's/.*passed, ([0-9]+) tests failed.*/\1/' <<< "$line")
-  skip=$(grep -cE "\*\*\*Skipped|Not Run" "$log" || true)
+  skip=$(grep -cE "\*\*\*Skipped|Not Run \(Disabled\)" "$log" || true)
   [[ -n $total && -n $fail ]] || return 0
   passed=$((passed + total - fail - skip)); failed=$((failed + fail)); skipped=$((skipped + skip))
   summaries+=("$libtorch: $((total - fail - skip)) passed, $fail failed, $skip skipped")

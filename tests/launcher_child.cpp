@@ -7,8 +7,8 @@
 
 #include "test_support.hpp"
 
-#include <trainloop/distributed/rank_env.hpp>
-#include <trainloop/distributed/spawned_rank.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/launch/spawned_rank.hpp>
 
 #include <chrono>
 #include <csignal>

@@ -729,7 +729,7 @@ BOOST_AUTO_TEST_CASE(a_full_disk_stops_every_rank_with_an_error_naming_the_file,
   fs::remove_all(dir);
 }
 
-// ---- ZeRO-1: the optimizer state sharded over the ranks (distributed/zero_optimizer_shard.hpp) ----
+// ---- ZeRO-1: the optimizer state sharded over the ranks (distributed/zero/zero_optimizer_shard.hpp) ----
 
 namespace {
 

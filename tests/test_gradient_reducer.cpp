@@ -3,16 +3,17 @@
 
 #include "thread_ranks.hpp"
 
-#include <trainloop/distributed/comm_hook_choice.hpp>
-#include <trainloop/distributed/free_port.hpp>
-#include <trainloop/distributed/gradient_reducer.hpp>
-#include <trainloop/distributed/model_sync.hpp>
+#include <trainloop/distributed/comm/model_sync.hpp>
+#include <trainloop/distributed/ddp/comm_hook_choice.hpp>
+#include <trainloop/distributed/ddp/gradient_reducer.hpp>
+#include <trainloop/distributed/launch/free_port.hpp>
 #include <trainloop/gpu_mode/mode_flags.hpp>
 
 #include <chrono>
 #include <exception>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -102,6 +103,7 @@ struct RankResult {
   std::vector<bool> reduced_defined;
   std::vector<std::size_t> launch_order;
   std::size_t launched_during_backward = 0;
+  std::thread::id thread;  // the rank's own thread (backward and finalize run on it)
   std::size_t bucket_count = 0;
   std::int64_t count_after_micro_steps = -1;
   std::int64_t count_after_sync_step = -1;
@@ -109,19 +111,21 @@ struct RankResult {
 };
 
 /// A user's communication hook, defined here with nothing under include/ edited for it: the
-/// bucket travels as fp16 (half the bytes) and comes back as the bucket's dtype.
+/// bucket travels as fp16 (half the bytes) and comes back as the bucket's dtype. It records on
+/// which thread its launch ran: the reducer's communication thread, never the one in backward.
 class HalfPrecisionHook : public distributed::GradientCommHook {
  public:
-  distributed::WorkHandle launch(distributed::ProcessGroup& group, std::size_t index, const torch::Tensor& flat) override {
+  distributed::CommFuture launch(distributed::ProcessGroup& group, std::size_t index, const torch::Tensor& flat) override {
     launched.push_back(index);
+    launch_threads.push_back(std::this_thread::get_id());
     half_[index] = flat.to(torch::kHalf);
-    return group.all_reduce_sum_async(half_[index]);
-  }
-  void finish(std::size_t index, const torch::Tensor& flat) override {
-    finished.push_back(index);
-    flat.copy_(half_.at(index));
+    return distributed::CommFuture(group.all_reduce_sum_async(half_[index])).then([this, index, flat] {
+      finished.push_back(index);
+      flat.copy_(half_.at(index));
+    });
   }
   std::vector<std::size_t> launched, finished;
+  std::vector<std::thread::id> launch_threads;
 
  private:
   std::map<std::size_t, torch::Tensor> half_;
@@ -135,6 +139,7 @@ std::vector<RankResult> run_step(int world, bool reversed_registration, distribu
   run_ranks(world, [&](distributed::ProcessGroup& group) {
     const int rank = group.rank();
     RankResult& result = results[rank];
+    result.thread = std::this_thread::get_id();
     Mlp model(reversed_registration);
     distributed::broadcast_module_state(*model, group);  // ranks start from rank 0's random init
     Mlp reference = unhooked_copy(model, reversed_registration);
@@ -217,7 +222,10 @@ BOOST_AUTO_TEST_CASE(a_communication_hook_defined_in_the_test_replaces_the_all_r
   for (const auto& hook : hooks) {
     BOOST_TEST(hook->launched == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
     BOOST_TEST(hook->finished == (std::vector<std::size_t>{0, 1, 2}), boost::test_tools::per_element());
+    // Every launch on one thread (the reducer's), which is not a rank's own (backward's) thread.
+    BOOST_TEST(std::set<std::thread::id>(hook->launch_threads.begin(), hook->launch_threads.end()).size() == 1u);
   }
+  for (std::size_t r = 0; r < hooks.size(); ++r) BOOST_TEST(hooks[r]->launch_threads.front() != results[r].thread);
   // Not exactly the fp32 all-reduce: the hook really replaced it.
   auto plain = run_step(world, /*reversed_registration=*/false, small_buckets());
   bool any_difference = false;

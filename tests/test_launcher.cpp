@@ -3,7 +3,7 @@
 
 #include "test_support.hpp"
 
-#include <trainloop/distributed/launcher.hpp>
+#include <trainloop/distributed/launch/launcher.hpp>
 
 #include <chrono>
 #include <csignal>

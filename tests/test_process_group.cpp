@@ -4,9 +4,9 @@
 #include "test_support.hpp"
 #include "thread_ranks.hpp"
 
-#include <trainloop/distributed/free_port.hpp>
-#include <trainloop/distributed/process_group.hpp>
-#include <trainloop/distributed/rendezvous.hpp>
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/comm/rendezvous.hpp>
+#include <trainloop/distributed/launch/free_port.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -1,8 +1,8 @@
 #define BOOST_TEST_MODULE test_rank_env
 #include "unit_test.hpp"
 
-#include <trainloop/distributed/free_port.hpp>
-#include <trainloop/distributed/rank_env.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/launch/free_port.hpp>
 
 #include <arpa/inet.h>
 #include <cstdlib>

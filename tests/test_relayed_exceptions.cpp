@@ -2,10 +2,10 @@
 #include "unit_test.hpp"
 
 // The one table of exception classes that travel between spawned ranks and their caller
-// (distributed/relayed_exceptions.hpp): each class arrives as itself, a rank's failure nests the
+// (distributed/spawn/relayed_exceptions.hpp): each class arrives as itself, a rank's failure nests the
 // RankFailedError with its details, and a replayed failure keeps them.
 
-#include <trainloop/distributed/relayed_exceptions.hpp>
+#include <trainloop/distributed/spawn/relayed_exceptions.hpp>
 
 #include <string>
 

@@ -8,7 +8,9 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <filesystem>
+#include <system_error>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -46,7 +48,11 @@ struct TempDir {
   std::filesystem::path path;
   explicit TempDir(const std::string& prefix = "tl-test") {
     std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
-    path = ::mkdtemp(pattern.data());
+    const char* made = ::mkdtemp(pattern.data());
+    if (made == nullptr) {
+      throw std::system_error(errno, std::generic_category(), "TempDir: cannot create " + pattern);
+    }
+    path = made;
   }
   ~TempDir() {
     std::error_code ignored;

@@ -2,8 +2,8 @@
 // Ranks as threads of one test process, each with its own store client and Gloo backend: the
 // quickest way to run real collectives in a unit test.
 
-#include <trainloop/distributed/free_port.hpp>
-#include <trainloop/distributed/process_group.hpp>
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/launch/free_port.hpp>
 
 #include <chrono>
 #include <cstdlib>

@@ -41,7 +41,7 @@ struct TrainLoopOptions {
   /// Stop with an error when the epoch's training loss is NaN or infinite (every rank agrees).
   TORCH_ARG(bool, stop_on_non_finite_loss) = true;
   /// Intra-op threads of each process (each replica in DataParallel); 0 chooses from the usable
-  /// cores (threads/cpu_threads.hpp). OMP_NUM_THREADS, when set, wins over both.
+  /// cores (cpu/threads.hpp). OMP_NUM_THREADS, when set, wins over both.
   TORCH_ARG(int, num_threads) = 0;
   /// Numeric precision of the forward pass: fp32, bf16 autocast (CPU, CUDA) or fp16 autocast with
   /// dynamic loss scaling (CUDA) — precision/precision.hpp.

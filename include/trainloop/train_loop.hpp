@@ -3,24 +3,24 @@
 /// @brief TrainLoop<Model, GpuMode>: trains a libtorch model with one loop in every gpu_mode.
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/callbacks/lr_finder.hpp>
 #include <trainloop/callbacks/progress_bar.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
+#include <trainloop/cpu/allocator.hpp>
+#include <trainloop/cpu/threads.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
-#include <trainloop/distributed/main_process.hpp>
+#include <trainloop/distributed/job/main_process.hpp>
 #include <trainloop/engine/fit_actions.hpp>
-#include <trainloop/loop/fit_runner.hpp>
-#include <trainloop/checkpoint/training_progress.hpp>
-#include <trainloop/version.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/loop/fit_runner.hpp>
+#include <trainloop/loop/loop_snapshot.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/options.hpp>
-#include <trainloop/callbacks/lr_finder.hpp>
-#include <trainloop/loop/loop_snapshot.hpp>
-#include <trainloop/cpu/allocator.hpp>
-#include <trainloop/cpu/threads.hpp>
+#include <trainloop/version.hpp>
 
 #include <torch/torch.h>
 

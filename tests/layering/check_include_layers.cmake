@@ -1,26 +1,40 @@
 # Checks that headers include only what their layer may: a header may include headers of its own
-# folder and of lower layers, never of a higher or the same (other) layer, so no two folders
-# include each other and the core stays free of concrete callbacks and modes.
+# unit and of lower layers, never of a higher or the same (other) layer, so no two units include
+# each other, and the core (loop/, engine/, the Callback interface) stays below everything
+# concrete: distributed/*, replicas/, the callbacks, gpu_mode/.
 #
 #   cmake -DINCLUDE_DIR=<repo>/include -P check_include_layers.cmake
 #
+# A unit is a file at the top, a folder, a subfolder, or a single file: a header belongs to the
+# longest entry of the table its path starts with (distributed/ddp/gradient_reducer.hpp is in
+# "distributed/ddp"; callbacks/callback.hpp is its own unit, the other callbacks are "callbacks").
 # Lower numbers are lower layers. A new folder must be given a layer here (the check fails
 # naming it otherwise), which is the point: where it sits is a decision, not an accident.
+# tests/layering/check_catches_violations.cmake proves the check fails on a core that reaches up.
 set(layers
   "error.hpp=0" "version.hpp=0" "history.hpp=0"
-  "detail=1"
-  "cpu=2" "data=2" "metrics=2" "nn=2" "optim=2" "precision=2"
-  "model_contract.hpp=3" "options.hpp=3"
-  "serialization=3"
-  "checkpoint=4" "models=4"
-  "callbacks=5" "interop=5"
-  "schedules=6"
-  "engine=7" "finetune=7"
-  "distributed=8" "replicas=8"
-  "gpu_mode=9"
-  "loop=10"
-  "train_loop.hpp=11"
-  "trainloop.hpp=12" "models.hpp=12" "interop.hpp=12")
+  "detail=10"
+  "cpu=20" "data=20" "metrics=20" "nn=20" "optim=20" "precision=20"
+  "model_contract.hpp=30" "options.hpp=30"
+  "serialization=30"
+  "checkpoint=40" "models=40"
+  # The Callback interface and the monitored value every watcher shares: below the core.
+  "callbacks/callback.hpp=50" "callbacks/monitor.hpp=50" "interop=50"
+  "schedules=60"
+  "engine=70" "finetune=70"
+  # The core: one loop behind the engine interface. It knows no mode, no concrete callback, and
+  # nothing of distributed/.
+  "loop=80"
+  # Concrete parts, above the core. distributed/, by concept: who this process is in the job;
+  # the process group and its collectives; starting and watching ranks (and their failure
+  # report); the spawn relay; ZeRO's optimizer shard; DDP's gradient reduction and comm hooks.
+  "distributed/job=90" "replicas=90" "callbacks=90"
+  "distributed/comm=100" "distributed/launch=100"
+  "distributed/zero=110" "distributed/spawn=110"
+  "distributed/ddp=120"
+  "gpu_mode=130"
+  "train_loop.hpp=140"
+  "trainloop.hpp=150" "models.hpp=150" "interop.hpp=150")
 
 function(layer_of unit out)
   foreach(entry IN LISTS layers)
@@ -35,15 +49,30 @@ function(layer_of unit out)
   set(${out} "" PARENT_SCOPE)
 endfunction()
 
-# The unit of a path below include/trainloop: its first folder, or the file name at the top.
+# The unit of a path below include/trainloop: the longest table entry that is the path or one of
+# its folders; with none, its first folder (or the file name at the top), which has no layer.
 function(unit_of relative out)
-  string(FIND "${relative}" "/" slash)
-  if(slash EQUAL -1)
-    set(${out} "${relative}" PARENT_SCOPE)
-  else()
-    string(SUBSTRING "${relative}" 0 ${slash} folder)
-    set(${out} "${folder}" PARENT_SCOPE)
+  set(best "")
+  string(LENGTH "" best_length)
+  foreach(entry IN LISTS layers)
+    string(REPLACE "=" ";" pair "${entry}")
+    list(GET pair 0 name)
+    string(LENGTH "${name}" length)
+    string(FIND "${relative}/" "${name}/" at)
+    if(at EQUAL 0 AND length GREATER best_length)
+      set(best "${name}")
+      set(best_length ${length})
+    endif()
+  endforeach()
+  if(best STREQUAL "")
+    # Unplaced: its first folder, or its first two where the table splits that folder by concept.
+    string(REGEX MATCH "^[^/]+" best "${relative}")
+    string(REGEX MATCH "^[^/]+/[^/]+/" two "${relative}")
+    if(two AND "${layers}" MATCHES "(^|;)${best}/")
+      string(REGEX REPLACE "/$" "" best "${two}")
+    endif()
   endif()
+  set(${out} "${best}" PARENT_SCOPE)
 endfunction()
 
 if(NOT INCLUDE_DIR)

@@ -20,6 +20,7 @@
 /// likely class, the sample's own.
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/detail/stable_hash.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/arg.h>
@@ -110,13 +111,8 @@ class MixUp : public Callback {
 
  private:
   static uint64_t mix(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-    auto split = [](uint64_t x) {  // SplitMix64's finaliser: neighbouring keys give unrelated seeds
-      x += 0x9E3779B97F4A7C15ULL;
-      x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-      x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-      return x ^ (x >> 31);
-    };
-    return split(a ^ split(b ^ split(c ^ split(d))));
+    using detail::splitmix64;  // neighbouring keys give unrelated seeds
+    return splitmix64(a ^ splitmix64(b ^ splitmix64(c ^ splitmix64(d))));
   }
 
   MixUpOptions options_;

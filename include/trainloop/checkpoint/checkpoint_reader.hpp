@@ -95,10 +95,6 @@ class CheckpointFile {
     for (const auto& copy : copies) copy.target.copy_(copy.stored);
   }
 
-  /// Copies the checkpoint's parameters and buffers into `model`, all or nothing.
-  /// @throws trainloop::CheckpointError (see checked_model_tensors()); the model is unchanged then.
-  void load_model(torch::nn::Module& model) { copy_model_tensors(checked_model_tensors(model)); }
-
   /// Checks that the checkpoint's optimizer state fits `optimizer` without changing it: as many
   /// parameter groups of the same sizes, and, for libtorch's per-parameter optimizers (SGD, Adam,
   /// AdamW, Adagrad, RMSprop), every per-parameter state tensor shaped like its parameter.

@@ -3,13 +3,11 @@
 /// @brief Stateful: anything whose state travels in checkpoints (every Callback is one). The
 /// checkpoint code knows only this interface, so it depends on no concrete callback.
 
+#include <trainloop/detail/type_name.hpp>
+
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <cxxabi.h>
-
-#include <cstdlib>
-#include <memory>
 #include <sstream>
 #include <string>
 #include <typeinfo>
@@ -33,12 +31,7 @@ class Stateful {
   virtual void load_state(torch::serialize::InputArchive&) {}
   /// @brief The name the state is stored under: the class name by default. The loop appends
   /// "#2", "#3"... to repeated names, in the order the components were given.
-  virtual std::string state_key() const {
-    int status = 0;
-    std::unique_ptr<char, void (*)(void*)> readable(
-        abi::__cxa_demangle(typeid(*this).name(), nullptr, nullptr, &status), std::free);
-    return status == 0 && readable ? std::string(readable.get()) : std::string(typeid(*this).name());
-  }
+  virtual std::string state_key() const { return detail::demangled(typeid(*this).name()); }
   /// @brief True when a checkpoint without this component's state may be loaded: the component
   /// then keeps the state it has (e.g. a ModelCheckpoint pointed at a new directory to fine-tune).
   virtual bool state_optional() const { return false; }

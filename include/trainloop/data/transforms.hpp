@@ -25,6 +25,7 @@
 /// @endcode
 
 #include <trainloop/data/image.hpp>
+#include <trainloop/detail/stable_hash.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>
@@ -40,16 +41,11 @@
 
 namespace trainloop::data {
 
-/// @brief The random stream of one sample in one epoch (SplitMix64-style mixing of the three keys,
+/// @brief The random stream of one sample in one epoch (SplitMix64 mixing of the three keys,
 /// so neighbouring indices and epochs give unrelated streams).
 inline std::mt19937_64 sample_generator(uint64_t seed, uint64_t epoch, uint64_t index) {
-  auto mix = [](uint64_t x) {
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-  };
-  return std::mt19937_64(mix(seed ^ mix(epoch ^ mix(index))));
+  using ::trainloop::detail::splitmix64;
+  return std::mt19937_64(splitmix64(seed ^ splitmix64(epoch ^ splitmix64(index))));
 }
 
 /// @brief A uniform double in [0, 1) from 53 bits of the generator (the same on every platform,

@@ -7,17 +7,13 @@
 /// smaller batch). Wrapping the error in a trainloop type would hide it from those handlers, so
 /// a `c10::Error` gets the context appended with `add_context()` and is rethrown as itself.
 
+#include <trainloop/detail/type_name.hpp>
 #include <trainloop/error.hpp>
 
 #include <c10/util/Exception.h>
 
-#include <cxxabi.h>
-
-#include <cstdlib>
 #include <exception>
-#include <memory>
 #include <string>
-#include <typeinfo>
 
 namespace trainloop::detail {
 
@@ -50,22 +46,6 @@ inline std::string full_error_text(const std::exception& error) {
   } catch (...) {
   }
   return text;
-}
-
-/// The readable form of a mangled C++ type name.
-inline std::string demangled(const char* mangled) {
-  int status = 0;
-  std::unique_ptr<char, void (*)(void*)> readable(abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
-  return status == 0 && readable ? std::string(readable.get()) : std::string(mangled);
-}
-
-/// The readable C++ type name of `error` ("c10::OutOfMemoryError", "std::runtime_error").
-inline std::string error_type_name(const std::exception& error) { return demangled(typeid(error).name()); }
-
-/// The readable name of type `T` ("torch::data::Example<at::Tensor, at::Tensor>").
-template <class T>
-std::string readable_type_name() {
-  return demangled(typeid(T).name());
 }
 
 /// Rethrows the exception being handled: a `c10::Error` with `context` added to its message

@@ -1,7 +1,7 @@
 #pragma once
 /// @file
-/// @brief A hash of a string that every process of a job computes alike (names compared across
-/// ranks, ports derived from a job's identity).
+/// @brief Hashes that every process of a job computes alike: of a string (names compared across
+/// ranks, ports derived from a job's identity) and of integer keys (random streams per sample).
 
 #include <cstdint>
 #include <string_view>
@@ -17,6 +17,14 @@ inline std::int64_t stable_hash(std::string_view text, std::uint64_t seed = 1469
     hash *= 1099511628211ULL;
   }
   return static_cast<std::int64_t>(hash >> 1);
+}
+
+/// SplitMix64's finaliser: neighbouring keys (indices, epochs, steps) give unrelated values.
+inline constexpr std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
 }
 
 }  // namespace trainloop::detail

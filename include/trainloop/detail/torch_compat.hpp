@@ -12,8 +12,8 @@
 #define TRAINLOOP_TORCH_2 (TORCH_VERSION_MAJOR >= 2)
 
 // ===================================================================================================
-// Section: c10d collectives and autograd hooks (owner: distributed/process_group.hpp,
-// distributed/gradient_reducer.hpp, distributed/backend_factory.hpp). Checked against pytorch v2.x sources
+// Section: c10d collectives and autograd hooks (owner: distributed/comm/process_group.hpp,
+// distributed/ddp/gradient_reducer.hpp, distributed/comm/backend_factory.hpp). Checked against pytorch v2.x sources
 // (torch/csrc/distributed/c10d/{Backend,ProcessGroupGloo,ProcessGroupNCCL,Work}.hpp,
 // torch/csrc/autograd/{function_hook,function}.h) and Debian's 1.13 headers.
 //
@@ -101,7 +101,7 @@ inline size_t cuda_device_count() { return static_cast<size_t>(torch::cuda::devi
 
 /// Zeroes `optimizer`'s gradients in place, keeping the tensors: libtorch 1.13's only behaviour;
 /// 2.x's zero_grad() sets them to none by default, which would drop gradients kept as views of
-/// DDP's buckets every step (distributed/gradient_reducer.hpp) and allocate them anew in backward.
+/// DDP's buckets every step (distributed/ddp/gradient_reducer.hpp) and allocate them anew in backward.
 inline void zero_grad_in_place(torch::optim::Optimizer& optimizer) {
 #if TRAINLOOP_TORCH_2
   optimizer.zero_grad(/*set_to_none=*/false);

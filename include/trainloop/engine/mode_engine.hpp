@@ -35,6 +35,10 @@
 /// A mode may define `zero_grad(optimizer)` to clear gradients its own way after each step (DDP
 /// keeps the tensors, which are views of its buckets); the loop calls `optimizer.zero_grad()` otherwise.
 ///
+/// A mode may define `gradients_agree()`: true when, after before_optimizer_step(), every rank
+/// holds bit-identical gradients (DDP's all-reduced buckets). fp16's overflow check then needs no
+/// any_rank() host sync per step: every rank finds the same inf/NaN. Without it the loop agrees.
+///
 /// A mode whose ranks hold parts of the gradients or optimizer state (ZeRO, FSDP) also defines
 /// the optional members of engine/sharded_state.hpp: clip_grad_norm (the norm over every rank),
 /// save_optimizer_state and load_optimizer_state (what each rank's checkpoint part is).

@@ -3,10 +3,10 @@
 /// @brief The members an engine defines when its ranks hold *parts* of the training state (a
 /// sharded mode: ZeRO, FSDP), and what the loop does for an engine that does not define them.
 ///
-/// Every built-in mode keeps the whole reduced gradient and the whole optimizer state on every
-/// rank, so the loop can clip by the local norm and let rank 0 write its optimizer. A sharded
-/// mode cannot: its rank r holds only shard r of the optimizer state (and perhaps of the
-/// gradients). It defines, all optional:
+/// Single, DataParallel and plain DDP keep the whole reduced gradient and the whole optimizer
+/// state on every rank, so the loop can clip by the local norm and let rank 0 write its
+/// optimizer. A sharded mode cannot: its rank r holds only shard r of the optimizer state (DDP
+/// with ZeRO-1) and perhaps of the gradients. It defines, all optional:
 ///
 /// | member                                            | when the loop calls it                                |
 /// |---------------------------------------------------|-------------------------------------------------------|
@@ -25,7 +25,7 @@
 /// that a run with another world size resumes from it). An archive in libtorch's layout is checked
 /// against the optimizer before the engine's loader runs; one in the engine's own layout is the
 /// loader's to check. Checked by tests/test_user_mode.cpp; DDP's ZeRO
-/// (distributed/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members.
+/// (distributed/zero/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members.
 
 #include <trainloop/optim/optimizer_state.hpp>
 

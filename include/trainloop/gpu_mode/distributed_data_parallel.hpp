@@ -13,20 +13,20 @@
 ///   data with a GradientReducer, and returns on every rank. A rank we spawned ends its process
 ///   when its fit() is done: the program after fit() runs once, in the launching process.
 
-#include <trainloop/distributed/comm_hook_choice.hpp>
-#include <trainloop/distributed/ddp_checkpoint_state.hpp>
-#include <trainloop/distributed/gradient_reducer.hpp>
-#include <trainloop/distributed/launcher.hpp>
-#include <trainloop/distributed/model_sync.hpp>
-#include <trainloop/distributed/process_group.hpp>
-#include <trainloop/distributed/rank_env.hpp>
-#include <trainloop/distributed/rank_session.hpp>
-#include <trainloop/distributed/spawn_relay.hpp>
-#include <trainloop/distributed/zero_optimizer_shard.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/detail/torch_compat.hpp>
-#include <trainloop/error.hpp>
+#include <trainloop/distributed/comm/model_sync.hpp>
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/ddp/checkpoint_state.hpp>
+#include <trainloop/distributed/ddp/comm_hook_choice.hpp>
+#include <trainloop/distributed/ddp/gradient_reducer.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/launch/launcher.hpp>
+#include <trainloop/distributed/spawn/spawn_relay.hpp>
+#include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
@@ -41,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 namespace trainloop {
@@ -88,9 +89,9 @@ struct DistributedDataParallel {
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
   /// How gradient buckets travel: empty (the default) all-reduces them in their dtype; otherwise
   /// the factory makes each fit's hook — `distributed::comm_hook_named("fp16")` or `"bf16"`
-  /// (distributed/compression_hooks.hpp) or a user's own GradientCommHook.
+  /// (distributed/ddp/compression_hooks.hpp) or a user's own GradientCommHook.
   TORCH_ARG(distributed::CommHookFactory, comm_hook) = {};
-  /// ZeRO stage 1: shard the optimizer state over the ranks (distributed/zero_optimizer_shard.hpp).
+  /// ZeRO stage 1: shard the optimizer state over the ranks (distributed/zero/zero_optimizer_shard.hpp).
   /// Each rank keeps and steps the state of about 1/W of the parameters, then sends them to the
   /// others; checkpoints still hold the whole state (gathered on save), so they resume in any mode.
   TORCH_ARG(bool, zero) = false;
@@ -145,7 +146,7 @@ struct DistributedDataParallel {
 
 namespace detail {
 
-/// The engine of gpu_mode::DistributedDataParallel (see distributed.hpp for the whole story).
+/// The engine of gpu_mode::DistributedDataParallel (how a run goes: this file's comment above).
 template <class Module>
 class DistributedDataParallelEngine {
  public:
@@ -158,6 +159,9 @@ class DistributedDataParallelEngine {
       device_ = parameters.front().device();  // the launching process evaluates where the model is
     }
   }
+
+  /// A rank trainloop's launcher started (its fits train from the caller's checkpoint).
+  bool spawned() const { return env_ && env_->source == distributed::RankEnvSource::Trainloop; }
 
   // ---- the mode interface -------------------------------------------------------------
   bool is_main() const { return rank() == 0; }
@@ -172,7 +176,7 @@ class DistributedDataParallelEngine {
     return group_ ? group_->all_gather(tensor) : tensor.unsqueeze(0);
   }
   bool any_rank(bool flag) {
-    if (!group_) return flag;
+    if (!group_ || group_->world_size() == 1) return flag;  // one rank agrees with itself: no host sync
     auto value = torch::full({1}, flag ? 1.0 : 0.0, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
     group_->all_reduce_max(value);
     return value.item<float>() > 0.5f;
@@ -181,9 +185,12 @@ class DistributedDataParallelEngine {
     if (group_) group_->barrier();
   }
 
-  /// In a rank: threads, the model on this rank's device, the process group, and every rank
-  /// holding rank 0's parameters and buffers. Once; every entry point calls it, so evaluate()
-  /// before fit() is exact too. In the launching process: nothing (it evaluates locally).
+  /// In a rank: threads, the model on this rank's device, the process group, and — in a rank that
+  /// joined (torchrun, srun, mpirun) — every rank holding rank 0's parameters and buffers. Once;
+  /// every entry point calls it, so evaluate() before fit() is exact too. A rank we spawned skips
+  /// the broadcast: its fit() starts by loading the caller's state from initial.ckpt, the same file
+  /// on every rank (what it evaluates before that is a replay nobody sees: the launching process
+  /// evaluates the caller's model locally). In the launching process: nothing.
   void prepare() {
     if (!env_ || group_) return;
     cpu::apply_intra_op_threads(cpu::intra_op_threads_for(env_->local_world_size));
@@ -193,15 +200,20 @@ class DistributedDataParallelEngine {
     options.device = device_;
     options.timeout = mode_.timeout();
     group_ = &distributed::session_process_group(options);
-    distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
+    if (!spawned()) {
+      distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
+      synced_since_join_ = true;
+    }
   }
 
-  /// Makes every rank hold rank 0's state and attaches the gradient hooks for this fit only. (A
-  /// rank we spawned then loads the caller's state, "initial.ckpt", as the loop resumes from it.)
+  /// Makes every rank hold rank 0's state and attaches the gradient hooks for this fit only: one
+  /// broadcast per fit in a joined rank (the one prepare() made when this fit joined the group, or
+  /// a new one); none in a rank we spawned, which loads the caller's state, "initial.ckpt", as the
+  /// loop resumes from it (every rank reads the same file).
   void begin_fit(torch::optim::Optimizer& optimizer) {
     TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
     prepare();
-    distributed::broadcast_module_state(*module_, *group_);
+    if (!spawned() && !std::exchange(synced_since_join_, false)) distributed::broadcast_module_state(*module_, *group_);
     if (mode_.zero()) {
       distributed::ZeroOptimizerShard::check_optimizer(optimizer);
       // Joined ranks (torchrun...) keep only their share after a ZeRO fit: new owners would lose it.
@@ -254,6 +266,8 @@ class DistributedDataParallelEngine {
   void before_optimizer_step() {
     if (reducer_) reducer_->finalize();
   }
+  /// After finalize() every rank holds the same all-reduced gradients (one rank: its own).
+  bool gradients_agree() const { return reducer_.has_value() || world_size() == 1; }
   void after_optimizer_step() {
     if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
   }
@@ -271,12 +285,12 @@ class DistributedDataParallelEngine {
   /// none): gradients kept as bucket views stay views.
   void zero_grad(torch::optim::Optimizer& optimizer) { detail::zero_grad_in_place(optimizer); }
   /// A checkpoint's optimizer part in libtorch's layout, plus this fit's comm hook state; a
-  /// collective under ZeRO or with a hook (distributed/ddp_checkpoint_state.hpp).
+  /// collective under ZeRO or with a hook (distributed/ddp/checkpoint_state.hpp).
   void save_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive, bool writes) {
     distributed::save_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive, writes);
   }
   /// Loads a whole state (any mode's checkpoint): under ZeRO this rank keeps its share, and this
-  /// fit's comm hook gets its rank's state back (distributed/ddp_checkpoint_state.hpp).
+  /// fit's comm hook gets its rank's state back (distributed/ddp/checkpoint_state.hpp).
   void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
     distributed::load_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive, device_);
   }
@@ -287,14 +301,10 @@ class DistributedDataParallelEngine {
     sink(forward(*module_, batch_to_device(batch, device_)));
   }
 
-  /// @brief The number of gradient all-reduces launched by the current fit (for tests and benchmarks).
-  int64_t allreduce_count() const { return reducer_ ? reducer_->allreduce_count() : 0; }
-  /// @brief Bytes this rank sent for the gradients of the last step (GradientReducer::last_step_bytes_sent).
-  int64_t last_step_gradient_bytes() const { return reducer_ ? reducer_->last_step_bytes_sent() : 0; }
 
   // ---- fit orchestration (called by TrainLoop::fit around the loop) ---------------------
 
-  /// Runs the loop the way this process's role requires: launch ranks (distributed/spawn_relay.hpp),
+  /// Runs the loop the way this process's role requires: launch ranks (distributed/spawn/spawn_relay.hpp),
   /// join as a rank (torchrun, Slurm, Open MPI), or, in a rank we spawned, pass or train the
   /// matching fit() call.
   History run_fit(const FitActions& actions, const ResumeSpec& resume) {
@@ -370,6 +380,7 @@ class DistributedDataParallelEngine {
   const std::optional<distributed::RankEnv>& env_;
   torch::Device device_ = torch::Device(torch::kCPU);
   distributed::ProcessGroup* group_ = nullptr;
+  bool synced_since_join_ = false;  // prepare() broadcast rank 0's state and no fit has used that yet
   std::optional<distributed::GradientReducer> reducer_;
   std::shared_ptr<distributed::GradientCommHook> comm_hook_;  // this fit's, kept across reducer rebuilds
   std::vector<torch::Tensor> parameters_;  // listed once per fit; the reducer takes those requiring grad

@@ -2,11 +2,11 @@
 /// @file
 /// @brief gpu_mode::Single: train on one device (CPU or one CUDA device) in this process.
 
-#include <trainloop/detail/torch_compat.hpp>
-#include <trainloop/error.hpp>
-#include <trainloop/engine/mode_engine.hpp>
-#include <trainloop/model_contract.hpp>
 #include <trainloop/cpu/threads.hpp>
+#include <trainloop/detail/torch_compat.hpp>
+#include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/model_contract.hpp>
 
 #include <torch/torch.h>
 
@@ -70,7 +70,7 @@ class SingleEngine {
   bool any_rank(bool flag) { return flag; }
   void barrier() {}
 
-  /// Places the model, and gives this process its share of the cores (threads/cpu_threads.hpp):
+  /// Places the model, and gives this process its share of the cores (cpu/threads.hpp):
   /// a CPU model trains with every usable core and a one-thread OpenBLAS pool by default.
   void prepare() {
     if (device_.is_cpu()) cpu::configure_single_process();

@@ -9,7 +9,7 @@
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/data/batch_loader.hpp>
 #include <trainloop/detail/stopwatch.hpp>
-#include <trainloop/distributed/gather_rows.hpp>
+#include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/loop/batch_memory_format.hpp>
@@ -55,8 +55,10 @@ class EpochTrainer {
   /// to the History), false when it stopped inside (step limit, agreed stop): the progress then
   /// holds the position, and the partial record and sums.
   template <ModeEngine Engine>
-  bool run(Engine& engine, const DataShard& shard, TrainState& state, CallbackList& active,
-                   const Stopwatch& fit_clock, int64_t end_step, History& visible) {
+  /// `full_plan` is the fit's plan of a whole epoch: an epoch from its start follows it (the
+  /// counts per rank do not depend on the epoch), one resumed inside plans its rest.
+  bool run(Engine& engine, const DataShard& shard, const EpochBatchPlan& full_plan, TrainState& state,
+           CallbackList& active, const Stopwatch& fit_clock, int64_t end_step, History& visible) {
     Stopwatch epoch_clock;
     const double seconds_before = progress_.seconds_into_epoch;
     // The time this thread waits for the loader: from the end of one batch's work (or the loader's
@@ -90,7 +92,9 @@ class EpochTrainer {
     // Every rank runs plan.batches() micro-batches; with exact uneven batches a rank's last one may
     // be short or empty, and its loss weighs by its samples (loop/epoch_batch_plan.hpp).
     const bool exact = exact_uneven_batches(engine, options_);
-    const EpochBatchPlan plan = plan_epoch(train_.size(), shard, options_, exact, progress_.sampler_seed, start_position);
+    const EpochBatchPlan plan = start_position == 0
+                                    ? full_plan
+                                    : plan_epoch(train_.size(), shard, options_, exact, progress_.sampler_seed, start_position);
     auto indices = shard_indices(train_.size(), shard, true, options_, state.epoch, progress_.sampler_seed,
                                  start_position, /*pad_training=*/!exact);
     auto loader = loader_for(train_, std::move(indices), options_.batch_size(), options_.drop_last(), options_,
@@ -233,7 +237,7 @@ class EpochTrainer {
       progress_.partial_record.reset();
     } else {
       // A later fit() (or a resumed checkpoint) continues this epoch with these sums.
-      progress_.partial_totals = torch::stack(distributed::gather_rows(engine, totals.to(torch::kCPU)));
+      progress_.partial_totals = torch::stack(gather_rows(engine, totals.to(torch::kCPU)));
       progress_.partial_record = record;
     }
     progress_.history.total_steps = progress_.global_step;

@@ -10,23 +10,23 @@
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
-#include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/loop_checkpoint.hpp>
+#include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/stopwatch.hpp>
-#include <trainloop/distributed/gather_rows.hpp>
-#include <trainloop/loop/epoch_batch_plan.hpp>
-#include <trainloop/loop/epoch_trainer.hpp>
-#include <trainloop/loop/evaluation.hpp>
-#include <trainloop/metrics/metric_accumulator.hpp>
-#include <trainloop/loop/shard_indices.hpp>
-#include <trainloop/checkpoint/training_progress.hpp>
+#include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/sharded_state.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/loop/epoch_batch_plan.hpp>
+#include <trainloop/loop/epoch_trainer.hpp>
+#include <trainloop/loop/evaluation.hpp>
+#include <trainloop/loop/shard_indices.hpp>
+#include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
@@ -132,7 +132,8 @@ class FitRunner {
     }
     std::stable_partition(active.begin(), active.end(), [](const auto& cb) { return !cb->runs_after_others(); });
     const auto shard = engine.data_shard();
-    const int64_t batches_per_epoch = full_epoch_batches(engine, shard);
+    const EpochBatchPlan full_plan = full_epoch_plan(engine, shard);  // once per fit: every epoch's from its start
+    const int64_t batches_per_epoch = full_plan.batches();
     const int64_t accumulation = options_.grad_accumulation_steps();
     const int64_t steps_per_epoch = (batches_per_epoch + accumulation - 1) / accumulation;
     const int64_t end_step = length.iteration_count() > 0 ? progress_.fit_first_step + length.iteration_count()
@@ -184,7 +185,7 @@ class FitRunner {
         state.stop_requested = false;
         for (auto& cb : active) cb->on_epoch_begin(state);
         const bool epoch_done = with_error_context(
-            [&] { return epochs.run(engine, shard, state, active, fit_clock, end_step, visible); },
+            [&] { return epochs.run(engine, shard, full_plan, state, active, fit_clock, end_step, visible); },
             [&] {
               return concat("trainloop: while training epoch ", state.epoch, ", after batch ", state.batch, " of ",
                             state.batches_per_epoch, " (rank ", engine.rank(), ")");
@@ -241,10 +242,10 @@ class FitRunner {
   void save_checkpoint(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path,
                        bool writes) {
     // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
-    const std::vector<torch::Tensor> rng = distributed::gather_rows(engine, capture_rng_state());
+    const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
     TrainingProgress snapshot = progress_;
     if (epoch_sums_ != nullptr && progress_.mid_epoch()) {
-      snapshot.partial_totals = torch::stack(distributed::gather_rows(engine, epoch_sums_->packed_totals().to(torch::kCPU)));
+      snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums_->packed_totals().to(torch::kCPU)));
     }
     CheckpointHeader header;
     header.trainloop_version = identity_.trainloop_version;
@@ -303,17 +304,17 @@ class FitRunner {
     return progress_.fit_step_count > 0 && progress_.global_step >= progress_.fit_first_step + progress_.fit_step_count;
   }
 
-  /// Micro-batches of a whole epoch, on every process.
+  /// The plan of a whole epoch (its micro-batches, on every process).
   template <class Engine>
-  int64_t full_epoch_batches(const Engine& engine, const DataShard& shard) const {
-    const int64_t batches =
-        plan_epoch(train_.size(), shard, options_, exact_uneven_batches(engine, options_), progress_.sampler_seed)
-            .batches();
+  EpochBatchPlan full_epoch_plan(const Engine& engine, const DataShard& shard) const {
+    EpochBatchPlan plan =
+        plan_epoch(train_.size(), shard, options_, exact_uneven_batches(engine, options_), progress_.sampler_seed);
+    const int64_t batches = plan.batches();
     const int64_t batch = options_.batch_size();
     TRAINLOOP_CHECK(batches > 0, "an epoch would have no batch: ", train_.size(), " training samples over ",
                     shard.world_size, " process(es) with batch size ", batch, " and drop_last; expected at least ",
                     batch, " samples per process");
-    return batches;
+    return plan;
   }
 
   Module& module_;

@@ -27,8 +27,14 @@ StepHyperparameters optimizer_step(Engine& engine, Module& module, torch::optim:
                                    std::optional<GradScaler>& scaler, double clip_grad_norm,
                                    const CallbackList& active, TrainState& state) {
   engine.before_optimizer_step();
-  // fp16: unscale before clipping; a step with inf/NaN gradients is skipped on every rank.
-  const bool overflow = scaler && engine.any_rank(scaler->unscale(module.parameters()));
+  // fp16: unscale before clipping; a step with inf/NaN gradients is skipped on every rank —
+  // agreed by a collective, unless the ranks' gradients are identical (then so is the finding).
+  bool overflow = scaler && scaler->unscale(module.parameters());
+  if (scaler) {
+    bool agree = false;
+    if constexpr (requires { engine.gradients_agree(); }) agree = engine.gradients_agree();
+    if (!agree) overflow = engine.any_rank(overflow);
+  }
   if (clip_grad_norm > 0.0 && !overflow) clip_gradients(engine, module, clip_grad_norm);
   for (auto& cb : active) cb->on_before_optimizer_step(state);
   const StepHyperparameters used{learning_rate_of(optimizer), momentum_of(optimizer)};

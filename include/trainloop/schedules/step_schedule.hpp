@@ -34,9 +34,6 @@ inline double anneal_cos(double start, double end, double position) {
   return start + (1.0 + std::cos(std::numbers::pi * (1.0 - position))) * (end - start) / 2.0;
 }
 
-/// @brief Linear interpolation from `start` (position 0) to `end` (position 1).
-inline double anneal_linear(double start, double end, double position) { return start + position * (end - start); }
-
 /// @brief A learning rate (and optionally a momentum) for one optimizer step.
 struct ScheduledValues {
   double learning_rate = 0.0;      ///< the step's learning rate

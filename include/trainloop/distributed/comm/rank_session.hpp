@@ -1,0 +1,94 @@
+#pragma once
+/// @file
+/// @brief This process's place in a distributed job, shared by the DDP engine and by user code:
+/// is_main_process(), rank0_first(), barrier() — and the one process group they use.
+///
+/// The group is created lazily, once per process, from the environment (our launcher, torchrun,
+/// Slurm or Open MPI), so `rank0_first` works before any TrainLoop exists, and the DDP engine
+/// reuses the same group instead of opening a second store on the same port.
+
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/job/main_process.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/error.hpp>
+
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace trainloop {
+namespace distributed {
+namespace detail {
+
+struct SessionGroup {
+  std::mutex mutex;
+  ProcessGroup group;
+  ProcessGroupOptions options;
+};
+
+inline SessionGroup& session_group() {
+  static SessionGroup session;
+  return session;
+}
+
+}  // namespace detail
+
+/// @brief The process group of this rank, created on first use with `options` (rank, world size,
+/// master address and port are taken from the environment and override those in `options`).
+/// @throws trainloop::Error outside a distributed job, or when a later call asks for a different
+///         backend than the group was created with.
+inline ProcessGroup& session_process_group(ProcessGroupOptions options = {}) {
+  const auto& env = detail::cached_rank_env();
+  TRAINLOOP_CHECK(env.has_value(), "no distributed job: none of the launcher, torchrun, Slurm or Open MPI "
+                                   "variables (e.g. RANK and WORLD_SIZE) is set");
+  auto& session = detail::session_group();
+  std::lock_guard<std::mutex> lock(session.mutex);
+  options.rank = env->rank;
+  options.world_size = env->world_size;
+  options.master_addr = env->master_addr;
+  options.master_port = env->master_port;
+  if (env->use_agent_store) options.is_store_server = false;
+  // As torch's env:// handler does ("/worker/attempt_N"): keys of a failed attempt stay in the
+  // agent's store, and a restarted rank must never read them.
+  if (env->restart_count > 0)
+    options.store_prefix = "attempt_" + std::to_string(env->restart_count) + "/" + options.store_prefix;
+  if (!session.group.valid()) {
+    session.group = ProcessGroup::create(options);
+    session.options = options;
+  } else {
+    TRAINLOOP_CHECK(options.backend == Backend::Auto || options.backend == session.group.backend(),
+                    "the process group already exists with backend ", to_string(session.group.backend()),
+                    "; a second one with backend ", to_string(options.backend), " was asked for");
+  }
+  return session.group;
+}
+
+}  // namespace distributed
+
+/// @brief Waits for every rank of the job; does nothing outside a distributed job.
+inline void barrier() {
+  if (distributed::detail::cached_rank_env()) distributed::session_process_group().barrier();
+}
+
+/// @brief Runs `f` on rank 0 first, then on the other ranks (after rank 0 finished), like
+/// fastai's rank0_first — for downloads, unpacking and caches that must not be built twice at
+/// once. Outside a distributed job, just runs `f`.
+/// @return what `f` returns.
+template <class F>
+decltype(auto) rank0_first(F&& f) {
+  const auto& env = distributed::detail::cached_rank_env();
+  if (!env) return std::forward<F>(f)();
+  if (env->rank == 0) {
+    struct BarrierAfter {
+      ~BarrierAfter() noexcept(false) {
+        if (std::uncaught_exceptions() == 0) barrier();
+      }
+    } after;
+    return std::forward<F>(f)();
+  }
+  barrier();
+  return std::forward<F>(f)();
+}
+
+}  // namespace trainloop
