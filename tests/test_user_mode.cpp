@@ -126,7 +126,7 @@ BOOST_AUTO_TEST_CASE(a_mode_defined_in_a_test_file_trains_through_the_run_time_s
   }
 }
 
-// ---- The seams of a sharded mode (engine/sharded_state.hpp): an engine that clips by a norm it
+// ---- The seams of a sharded mode (engine/optional_members.hpp): an engine that clips by a norm it
 // computes itself and writes the optimizer state in its own layout, as a ZeRO rank would (the
 // norm from per-shard sums of squares; the state as one sub-archive per shard).
 struct ShardedCalls {

@@ -8,7 +8,7 @@
 ///   them, so a program without trainloop loads the weights with `torch::load(model, path)`;
 /// - `__trainloop__/`: `format_version`, `trainloop_version`, `mode` and `world_size` of the run
 ///   that wrote it, `batch_size`; `optimizer/` (libtorch's format, param-group options included, or a
-///   sharded mode's own layout: engine/sharded_state.hpp);
+///   sharded mode's own layout: engine/optional_members.hpp);
 ///   `progress/` (epochs, global step, position inside the epoch, the History, the sampler seed,
 ///   the partial epoch's metric sums of every rank); `callbacks/<key>/` (each callback's
 ///   save_state()); `rng/rank<r>` (every rank's CPU and CUDA generator states).
@@ -88,7 +88,7 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
 }
 
 /// Writes a checkpoint to `path` atomically. `optimizer` is the optimizer's state as the engine
-/// saved it (libtorch's format for every built-in mode; engine/sharded_state.hpp);
+/// saved it (libtorch's format for every built-in mode; engine/optional_members.hpp);
 /// `rng_per_rank[r]` is rank r's capture_rng_state().
 /// @throws trainloop::CheckpointError naming `path` and the system's reason when it cannot be
 ///         written (disk full, read-only); no partial file is left and an earlier one is unchanged.

@@ -98,7 +98,7 @@ class CheckpointFile {
   /// Checks that the checkpoint's optimizer state fits `optimizer` without changing it: as many
   /// parameter groups of the same sizes, and, for libtorch's per-parameter optimizers (SGD, Adam,
   /// AdamW, Adagrad, RMSprop), every per-parameter state tensor shaped like its parameter.
-  /// With `engine_loads_own_layout` (the engine has its own loader, engine/sharded_state.hpp), a
+  /// With `engine_loads_own_layout` (the engine has its own loader, engine/optional_members.hpp), a
   /// state in another layout than libtorch's is left for that loader to check.
   /// @throws trainloop::CheckpointError naming the group, parameter or state entry that differs.
   void check_optimizer(const torch::optim::Optimizer& optimizer, bool engine_loads_own_layout = false) {
@@ -107,7 +107,7 @@ class CheckpointFile {
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " lacks the optimizer state; expected a ",
                                    "complete trainloop checkpoint"));
     }
-    if (!saved.try_read("param_groups", groups)) {  // a sharded mode's own layout (engine/sharded_state.hpp)
+    if (!saved.try_read("param_groups", groups)) {  // a sharded mode's own layout (engine/optional_members.hpp)
       if (engine_loads_own_layout) return;
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " holds the optimizer state in the layout ",
                                    "of gpu mode '", header_.mode, "', not libtorch's; expected this loop's mode to be '",
@@ -165,7 +165,7 @@ class CheckpointFile {
   }
 
   /// Loads the optimizer's state, param-group options included; with `load`, the engine's own
-  /// loader of the optimizer archive (a sharded mode's layout, engine/sharded_state.hpp).
+  /// loader of the optimizer archive (a sharded mode's layout, engine/optional_members.hpp).
   void load_optimizer(torch::optim::Optimizer& optimizer,
                       const std::function<void(torch::optim::Optimizer&, torch::serialize::InputArchive&)>& load = {}) {
     torch::serialize::InputArchive optimizer_archive;

@@ -92,7 +92,7 @@ class StateUndo {
 /// Loads `file` into `module`, `optimizer` and `callbacks`, and, when `rng_rank` is given, that
 /// rank's random streams into this process; returns the progress the checkpoint recorded. All or
 /// nothing (see the file comment). `load_optimizer`, when given, is the engine's loader of the
-/// optimizer archive (engine/sharded_state.hpp): a state in libtorch's layout is checked first as
+/// optimizer archive (engine/optional_members.hpp): a state in libtorch's layout is checked first as
 /// always, one in the engine's own layout is the loader's to check; a failure puts everything back.
 /// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
 inline TrainingProgress restore_checkpoint(

@@ -26,22 +26,10 @@
 /// | before_optimizer_step(), after_optimizer_step()  | finish gradient reduction / refresh replicas              |
 /// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
 ///
-/// A mode with several ranks may also define `train_without_samples(sync)`: the rank has no
-/// samples in this micro-batch (the epoch's last, when it is not a multiple of the ranks' combined
-/// batch) but joins the gradient reduction when `sync`. With it the loop trains exact uneven
-/// batches (TrainLoopOptions::exact_uneven_batches, loop/epoch_batch_plan.hpp); without it
-/// training shards are padded with repeated samples, as PyTorch's DistributedSampler does.
-///
-/// A mode may define `zero_grad(optimizer)` to clear gradients its own way after each step (DDP
-/// keeps the tensors, which are views of its buckets); the loop calls `optimizer.zero_grad()` otherwise.
-///
-/// A mode may define `gradients_agree()`: true when, after before_optimizer_step(), every rank
-/// holds bit-identical gradients (DDP's all-reduced buckets). fp16's overflow check then needs no
-/// any_rank() host sync per step: every rank finds the same inf/NaN. Without it the loop agrees.
-///
-/// A mode whose ranks hold parts of the gradients or optimizer state (ZeRO, FSDP) also defines
-/// the optional members of engine/sharded_state.hpp: clip_grad_norm (the norm over every rank),
-/// save_optimizer_state and load_optimizer_state (what each rank's checkpoint part is).
+/// A mode may also define optional members (train_without_samples for exact uneven batches,
+/// gradients_agree, clip_grad_norm, step_optimizer, zero_grad, save_optimizer_state,
+/// load_optimizer_state, run_fit): engine/optional_members.hpp lists every one with what the
+/// loop does without it.
 ///
 /// Why prepare() is separate from fit: evaluate() and predict() before the first fit() must see
 /// the model where training would put it (on the GPU, in the process group, replicated), or they

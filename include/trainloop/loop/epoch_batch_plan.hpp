@@ -19,6 +19,7 @@
 /// bit those of equal weighting.
 
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/optional_members.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/options.hpp>
 
@@ -86,13 +87,6 @@ class EpochBatchPlan {
   int64_t batch_;
   bool exact_;
   int64_t batches_ = 0;
-};
-
-/// Whether `Engine` can take part in a gradient reduction without samples
-/// (`engine.train_without_samples(synchronize)`), which exact uneven batches need.
-template <class Engine>
-concept TrainsWithoutSamples = requires(Engine& engine, bool synchronize) {
-  engine.train_without_samples(synchronize);
 };
 
 /// Whether this run trains with exact uneven batches: asked for (the default), several ranks, an

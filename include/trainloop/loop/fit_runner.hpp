@@ -20,7 +20,7 @@
 #include <trainloop/detail/stopwatch.hpp>
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
-#include <trainloop/engine/sharded_state.hpp>
+#include <trainloop/engine/optional_members.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/epoch_trainer.hpp>

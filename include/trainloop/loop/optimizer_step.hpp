@@ -4,7 +4,7 @@
 /// unscale and agreed skip, clipping, the callbacks' last look, the step, the scaler's update.
 
 #include <trainloop/callbacks/callback.hpp>
-#include <trainloop/engine/sharded_state.hpp>
+#include <trainloop/engine/optional_members.hpp>
 #include <trainloop/optim/hyperparameters.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
 
@@ -30,11 +30,7 @@ StepHyperparameters optimizer_step(Engine& engine, Module& module, torch::optim:
   // fp16: unscale before clipping; a step with inf/NaN gradients is skipped on every rank —
   // agreed by a collective, unless the ranks' gradients are identical (then so is the finding).
   bool overflow = scaler && scaler->unscale(module.parameters());
-  if (scaler) {
-    bool agree = false;
-    if constexpr (requires { engine.gradients_agree(); }) agree = engine.gradients_agree();
-    if (!agree) overflow = engine.any_rank(overflow);
-  }
+  if (scaler && !ranks_hold_same_gradients(engine)) overflow = engine.any_rank(overflow);
   if (clip_grad_norm > 0.0 && !overflow) clip_gradients(engine, module, clip_grad_norm);
   for (auto& cb : active) cb->on_before_optimizer_step(state);
   const StepHyperparameters used{learning_rate_of(optimizer), momentum_of(optimizer)};
@@ -44,11 +40,7 @@ StepHyperparameters optimizer_step(Engine& engine, Module& module, torch::optim:
     state.skipped_steps = scaler->skipped_steps();
   }
   engine.after_optimizer_step();
-  if constexpr (requires { engine.zero_grad(optimizer); }) {
-    engine.zero_grad(optimizer);  // DDP keeps the tensors (gradients as bucket views)
-  } else {
-    optimizer.zero_grad();
-  }
+  zero_gradients(engine, optimizer);  // DDP keeps the tensors (gradients as bucket views)
   return used;
 }
 
