@@ -7,6 +7,8 @@
 #   cmake -DCTEST=<ctest> -DBUILD_DIR=<build>/tests -DPROGRAM=test_python_weights
 #         -DSOURCE=<repo>/tests/test_python_weights.cpp -DFAILING_CASE=<a C++-only case> -P check_python_hidden.cmake
 
+cmake_minimum_required(VERSION 3.20)  # IN_LIST, and ctest --test-dir
+
 foreach(required CTEST BUILD_DIR PROGRAM SOURCE FAILING_CASE)
   if(NOT ${required})
     message(FATAL_ERROR "${required} is not set")

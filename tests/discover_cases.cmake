@@ -7,6 +7,8 @@
 #   cmake -DEXE=<program> -DNAME=<test name> -DOUT=<file> -DLABELS=a|b [-DPER_SUITE=ON]
 #         [-DLOCK=<resource>] -P discover_cases.cmake
 
+cmake_minimum_required(VERSION 3.20)
+
 foreach(required EXE NAME OUT)
   if(NOT ${required})
     message(FATAL_ERROR "${required} is not set; expected -D${required}=...")
