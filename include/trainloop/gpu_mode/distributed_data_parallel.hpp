@@ -266,8 +266,9 @@ class DistributedDataParallelEngine {
   void before_optimizer_step() {
     if (reducer_) reducer_->finalize();
   }
-  /// After finalize() every rank holds the same all-reduced gradients (one rank: its own).
-  bool gradients_agree() const { return reducer_.has_value() || world_size() == 1; }
+  /// After finalize() every rank holds the same all-reduced gradients. (With one rank there is no
+  /// reducer, and any_rank() costs nothing anyway.)
+  bool gradients_agree() const { return reducer_.has_value(); }
   void after_optimizer_step() {
     if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
   }

@@ -77,6 +77,60 @@ struct ReducerState {
   std::size_t comm_done = 0;    // this step
   bool comm_stop = false;
 
+  /// Forms the buckets, once (the reducer's constructor): in reverse parameter order, one open
+  /// bucket per dtype/device; a bucket closes when it reaches its cap (first cap for the first
+  /// bucket of its dtype/device, then the regular cap). Buckets are ordered by their first parameter's position in reverse order, i.e. by
+  /// when they are expected to fill — the same order on every rank.
+  void form_buckets(std::int64_t first_bucket_cap_bytes, std::int64_t bucket_cap_bytes) {
+    struct Open {
+      c10::ScalarType dtype;
+      c10::Device device;
+      std::vector<std::size_t> parameters;
+      std::int64_t bytes = 0;
+      std::int64_t closed_before = 0;  // how many buckets of this dtype/device were closed already
+    };
+    std::vector<Open> open;
+    std::vector<std::vector<std::size_t>> closed;
+    for (std::size_t k = parameters.size(); k-- > 0;) {
+      const torch::Tensor& p = parameters[k];
+      auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) {
+        return o.dtype == p.scalar_type() && o.device == p.device();
+      });
+      if (it == open.end()) it = open.insert(open.end(), Open{p.scalar_type(), p.device(), {}, 0, 0});
+      it->parameters.push_back(k);
+      it->bytes += p.numel() * static_cast<std::int64_t>(p.element_size());
+      const std::int64_t cap = it->closed_before == 0 ? first_bucket_cap_bytes : bucket_cap_bytes;
+      if (it->bytes >= cap) {
+        closed.push_back(std::move(it->parameters));
+        it->parameters.clear();
+        it->bytes = 0;
+        ++it->closed_before;
+      }
+    }
+    for (auto& o : open) {
+      if (!o.parameters.empty()) closed.push_back(std::move(o.parameters));
+    }
+    // Position in reverse order of a bucket's first parameter = parameters.size() - 1 - index.
+    std::stable_sort(closed.begin(), closed.end(), [](const auto& a, const auto& b) { return a.front() > b.front(); });
+
+    slots.resize(parameters.size());
+    filled.assign(parameters.size(), 0);
+    bucket_view.assign(parameters.size(), 0);
+    for (auto& members : closed) {
+      Bucket bucket;
+      std::int64_t numel = 0;
+      for (std::size_t index : members) {
+        slots[index] = {buckets.size(), numel, parameters[index].numel()};
+        numel += parameters[index].numel();
+      }
+      const torch::Tensor& first = parameters[members.front()];
+      bucket.flat = torch::zeros({numel}, first.options().requires_grad(false));
+      bucket.pending = members.size();
+      bucket.parameters = std::move(members);
+      buckets.push_back(std::move(bucket));
+    }
+  }
+
   /// Called by a hook once parameter `index`'s grad has been accumulated.
   void on_gradient_ready(std::size_t index) {
     std::lock_guard<std::mutex> lock(mutex);
