@@ -20,6 +20,7 @@
 #include <c10/util/Exception.h>
 
 #include <csignal>
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
@@ -165,7 +166,10 @@ int main(int argc, char** argv) {
     throw std::runtime_error("rank 1 could not open its shard of the data");
   }
   try {
-    torch::manual_seed(5);
+    // TL_TEST_SEED_BY_RANK: rank r builds its model from another seed than the caller (test_distributed:
+    // spawned ranks must still start from the caller's weights, which they load, not broadcast).
+    const bool seed_by_rank = std::getenv("TL_TEST_SEED_BY_RANK") != nullptr;
+    torch::manual_seed(seed_by_rank ? 5 + 1000 * static_cast<uint64_t>(std::max(own_rank(), 0)) : 5);
     Mlp net;
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     // TL_TEST_OPTIMIZER=adam: the main loop trains with Adam instead (ZeRO's tests: two moments per parameter).

@@ -624,6 +624,24 @@ BOOST_AUTO_TEST_CASE(ddp_k_epochs_then_resume_then_k_epochs_equals_2k_bit_for_bi
   fs::remove_all(dir);
 }
 
+BOOST_AUTO_TEST_CASE(spawned_ranks_start_from_the_callers_weights_also_when_a_resume_finds_nothing) {
+  // Rank 1 builds its model from another seed than the caller. A spawned rank does not broadcast:
+  // it loads the caller's state (initial.ckpt), also when fit()'s resume ("last", no checkpoint
+  // yet) finds nothing. If it kept its own weights, the ranks would train apart from step 1.
+  auto dir = fresh_dir("ckpt_fallback");
+  auto same = run_ckpt("same", dir / "same", "TL_TEST_EPOCHS=1");
+  BOOST_REQUIRE_MESSAGE(same.exit_code == 0, same.output);
+  auto fresh = run_ckpt("fresh", dir / "fresh", "TL_TEST_EPOCHS=1 TL_TEST_SEED_BY_RANK=1");
+  BOOST_REQUIRE_MESSAGE(fresh.exit_code == 0, fresh.output);
+  auto resumed_nothing = run_ckpt("nothing", dir / "nothing", "TL_TEST_EPOCHS=1 TL_TEST_SEED_BY_RANK=1 TL_TEST_RESUME=last");
+  BOOST_REQUIRE_MESSAGE(resumed_nothing.exit_code == 0, resumed_nothing.output);
+  const torch::Tensor expected = load_params((same.dir / "params.pt").string());
+  BOOST_TEST(torch::equal(load_params((fresh.dir / "params.pt").string()), expected));
+  BOOST_TEST(torch::equal(load_params((resumed_nothing.dir / "params.pt").string()), expected));
+  for (auto* run : {&same, &fresh, &resumed_nothing}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
 BOOST_AUTO_TEST_CASE(a_rank_killed_mid_training_restarts_from_the_newest_checkpoint_and_ends_as_if_uninterrupted) {
   auto dir = fresh_dir("ckpt_restart");
   auto full = run_ckpt("full", dir / "full", "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2");

@@ -237,6 +237,83 @@ BOOST_AUTO_TEST_CASE(a_sharded_mode_clips_and_checkpoints_the_optimizer_through_
   std::filesystem::remove_all(dir);
 }
 
+// ---- The optimizer step as one engine call (engine/optimizer_step.hpp): a mode that owns the
+// whole step, here by skipping every second one and wrapping the default for the others.
+struct StepCalls {
+  bool skip_even = false;
+  int steps = 0, skipped = 0, callback_looks = 0;
+  std::vector<double> rates;  // what default_optimizer_step reported
+};
+StepCalls step_calls;
+
+template <class Module>
+class EveryOtherStepEngine;
+
+struct EveryOtherStep {
+  static constexpr const char* name = "every-other-step";
+  template <class Module>
+  using engine = EveryOtherStepEngine<Module>;
+};
+
+template <class Module>
+class EveryOtherStepEngine : public SplitEngine<Module> {
+ public:
+  EveryOtherStepEngine(const EveryOtherStep&, std::shared_ptr<Module> module)
+      : SplitEngine<Module>(SplitBatches{1}, std::move(module)) {}
+
+  tl::OptimizerStepResult optimizer_step(const tl::OptimizerStepRequest<Module>& request) {
+    if (++step_calls.steps % 2 == 0 && step_calls.skip_even) {  // drop this window's gradients
+      request.optimizer.zero_grad();
+      ++step_calls.skipped;
+      return {tl::learning_rate_of(request.optimizer), tl::momentum_of(request.optimizer), true};
+    }
+    const tl::OptimizerStepResult result = tl::default_optimizer_step(*this, request);
+    step_calls.rates.push_back(result.learning_rate);
+    return result;
+  }
+};
+
+// Sets the learning rate before each step (as a schedule does) and counts its looks.
+struct RisingRate : tl::Callback {
+  void on_before_optimizer_step(tl::TrainState& state) override {
+    ++step_calls.callback_looks;
+    tl::set_learning_rate(*state.optimizer, 0.05 * static_cast<double>(state.step + 1));
+  }
+};
+
+template <class Mode>
+torch::Tensor rising_rate_sgd(int64_t epochs) {
+  Blobs data;
+  auto net = make_net();
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.2));
+  tl::TrainLoop<torch::nn::Sequential, Mode> loop(net, tl::data::TensorDataset(data.x, data.y), {}, optimizer,
+                                                  torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(12).seed(3));
+  const auto history = loop.fit(epochs, {RisingRate()});
+  BOOST_TEST(history.total_steps == 8 * epochs);  // the loop counts every window, skipped or not
+  return flat(*net);
+}
+
+BOOST_AUTO_TEST_CASE(a_mode_owns_the_whole_optimizer_step_and_can_wrap_the_default) {
+  const torch::Tensor single = rising_rate_sgd<tl::gpu_mode::Single>(2);
+  step_calls = {};
+  const torch::Tensor wrapped = rising_rate_sgd<EveryOtherStep>(2);
+  BOOST_TEST(step_calls.steps == 16);  // one engine call per step: 96 samples, batch 12, 2 epochs
+  BOOST_TEST(step_calls.callback_looks == 16);
+  BOOST_TEST(torch::equal(wrapped, single));  // the default, wrapped: bit for bit the same training
+  BOOST_REQUIRE(step_calls.rates.size() == 16u);
+  BOOST_TEST(step_calls.rates.front() == 0.05);  // read after the callbacks' look, as the step used it
+  BOOST_TEST(step_calls.rates.back() == 0.05 * 16);
+
+  step_calls = {};
+  step_calls.skip_even = true;
+  const torch::Tensor skipping = rising_rate_sgd<EveryOtherStep>(2);
+  BOOST_TEST(step_calls.steps == 16);
+  BOOST_TEST(step_calls.skipped == 8);
+  BOOST_TEST(step_calls.callback_looks == 8);  // the engine's own steps skip the default's sequence
+  BOOST_TEST((skipping - single).abs().max().item<double>() > 1e-3);
+  BOOST_TEST((skipping - flat(*make_net())).abs().max().item<double>() > 1e-3);  // half the steps still trained
+}
+
 // ---- No silent traps.
 struct PairBatch {
   torch::Tensor left, target;

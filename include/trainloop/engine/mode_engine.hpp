@@ -26,10 +26,10 @@
 /// | before_optimizer_step(), after_optimizer_step()  | finish gradient reduction / refresh replicas              |
 /// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
 ///
-/// A mode may also define optional members (train_without_samples for exact uneven batches,
-/// gradients_agree, clip_grad_norm, step_optimizer, zero_grad, save_optimizer_state,
-/// load_optimizer_state, run_fit): engine/optional_members.hpp lists every one with what the
-/// loop does without it.
+/// A mode may also define optional members (optimizer_step for the whole step,
+/// train_without_samples for exact uneven batches, gradients_agree, clip_grad_norm,
+/// step_optimizer, zero_grad, save_optimizer_state, load_optimizer_state, run_fit):
+/// engine/optional_members.hpp lists every one with what the loop does without it.
 ///
 /// Why prepare() is separate from fit: evaluate() and predict() before the first fit() must see
 /// the model where training would put it (on the GPU, in the process group, replicated), or they

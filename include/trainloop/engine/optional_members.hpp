@@ -6,6 +6,9 @@
 ///
 /// | member                                            | the loop calls it / default without it                |
 /// |---------------------------------------------------|-------------------------------------------------------|
+/// | optimizer_step(request)                           | once per accumulation window: the whole step. Default:|
+/// |                                                   | default_optimizer_step (engine/optimizer_step.hpp),   |
+/// |                                                   | which calls the members below                         |
 /// | train_without_samples(sync)                       | a rank without samples in an exact uneven micro-batch |
 /// |                                                   | still joins the reduction. Default: shards are padded |
 /// |                                                   | (TrainsWithoutSamples; loop/epoch_batch_plan.hpp)     |

@@ -3,7 +3,8 @@
 /// @brief fit() for every gpu_mode: orchestration of a fit() call (resume, callbacks, epochs,
 /// validation, the agreed stop) and the loop's checkpoints. It sees the mode only through the
 /// engine interface (engine/mode_engine.hpp), so one loop serves one device, replicas and ranks;
-/// an epoch is loop/epoch_trainer.hpp, a step loop/optimizer_step.hpp.
+/// an epoch is loop/epoch_trainer.hpp, a step engine/optimizer_step.hpp; what one fit() call owns
+/// is a FitRun (loop/fit_run.hpp).
 /// It continues from the loop's progress (a second fit() goes on with epoch 3, mid-epoch if the
 /// last one stopped there), resumes checkpoints exactly, and writes them.
 
@@ -25,6 +26,7 @@
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/epoch_trainer.hpp>
 #include <trainloop/loop/evaluation.hpp>
+#include <trainloop/loop/fit_run.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/model_contract.hpp>
@@ -55,8 +57,8 @@ struct RunIdentity {
   std::string trainloop_version;   ///< e.g. "0.2.0"
 };
 
-/// Runs fit(), evaluate(), predict() and checkpoints for one engine. Holds references only: the
-/// TrainLoop owns everything, the progress included.
+/// Runs fit(), evaluate(), predict() and checkpoints for one engine. Holds references to what the
+/// TrainLoop owns (the progress included) and, while fit() runs, that call's FitRun.
 template <class Module, class Batch>
 class FitRunner {
  public:
@@ -77,25 +79,18 @@ class FitRunner {
   /// call had finished). Returns the whole History so far.
   template <ModeEngine Engine>
   History fit(Engine& engine, const FitLength& length, const CallbackList& callbacks, const ResumeSpec& resume = {}) {
-    options_.validate();
-    TRAINLOOP_CHECK(train_.has_value(), "fit() needs a training dataset");
-    TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
-    for (const auto& cb : callbacks) {
-      TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
-      TRAINLOOP_CHECK(is_example_batch_v<Batch> || !cb->needs_example_batches(), "callback ", cb->state_key(),
-                      " changes batches in on_train_batch, which runs for torch::data::Example<> batches; this loop's "
-                      "batches are ", readable_type_name<Batch>(), ". Expected Example batches for this callback");
-    }
-    TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
-                    "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
-    warn_if_bf16_is_emulated(options_.precision(), engine.device());
+    check_fit_inputs(engine, callbacks);
     engine.begin_fit(optimizer_);
-    // What lives only during this fit (DDP's gradient hooks) goes with it, also on an exception.
+    // What lives only during this fit (DDP's gradient hooks, the run's state) goes with it, also
+    // on an exception.
     struct EndFit {
       Engine& engine;
-      ~EndFit() { engine.end_fit(); }
-    } end_fit{engine};
-
+      std::optional<FitRun>& run;
+      ~EndFit() {
+        run.reset();
+        engine.end_fit();
+      }
+    } end_fit{engine, run_};
     // sync_batchnorm: SyncBatchNorm layers reduce their statistics over the ranks during this fit.
     std::optional<nn::detail::SyncBatchNormScope> sync_batchnorm;
     if (options_.sync_batchnorm() && engine.world_size() > 1) {
@@ -106,116 +101,21 @@ class FitRunner {
       });
     }
     const KeyedStates keyed = keyed_callbacks(callbacks);
-    const bool resumed = resume_checkpoint(engine, resume, keyed);
-    scaler_.reset();
-    if (options_.precision() == Precision::fp16) {
-      scaler_.emplace(options_.grad_scaler());
-      if (progress_.grad_scaler_state.defined()) scaler_->load_state(progress_.grad_scaler_state);
-    }
-    if (!progress_.seeded) {  // the first fit of this loop; later ones continue the random stream
-      torch::manual_seed(options_.seed());
-      progress_.sampler_seed = options_.seed();
-      progress_.seeded = true;
-    }
-    if (!resumed || fit_call_finished()) {  // a new fit() call
-      progress_.fit_first_epoch = progress_.epochs_completed + 1;
-      progress_.fit_first_step = progress_.global_step;
-      progress_.fit_finished = false;
-    }
-    progress_.fit_epoch_count = length.epoch_count();
-    progress_.fit_step_count = length.iteration_count();
-    progress_.history.stop_reason.clear();
-
-    CallbackList active;
-    for (const auto& cb : callbacks) {
-      if (!cb->main_process_only() || engine.is_main()) active.push_back(cb);
-    }
-    std::stable_partition(active.begin(), active.end(), [](const auto& cb) { return !cb->runs_after_others(); });
-    const auto shard = engine.data_shard();
-    const EpochBatchPlan full_plan = full_epoch_plan(engine, shard);  // once per fit: every epoch's from its start
-    const int64_t batches_per_epoch = full_plan.batches();
-    const int64_t accumulation = options_.grad_accumulation_steps();
-    const int64_t steps_per_epoch = (batches_per_epoch + accumulation - 1) / accumulation;
-    const int64_t end_step = length.iteration_count() > 0 ? progress_.fit_first_step + length.iteration_count()
-                                                          : std::numeric_limits<int64_t>::max();
-    // Fitting by iterations, only the step count ends the call; the epoch shown is an estimate.
-    const int64_t end_epoch = length.epoch_count() > 0 ? progress_.fit_first_epoch - 1 + length.epoch_count()
-                                                       : std::numeric_limits<int64_t>::max();
-    const int64_t shown_end_epoch =
-        length.epoch_count() > 0
-            ? end_epoch
-            : progress_.fit_first_epoch - 1 + (length.iteration_count() + steps_per_epoch - 1) / steps_per_epoch;
-
-    TrainState state;
-    state.world_size = engine.world_size();
-    state.rank = engine.rank();
-    state.is_main = engine.is_main();
-    state.model = &module_;
-    state.optimizer = &optimizer_;
-    state.num_classes = train_.num_classes().value_or(0);
-    state.batches_per_epoch = batches_per_epoch;
-    state.first_epoch = progress_.fit_first_epoch;
-    state.epoch = progress_.epochs_completed + 1;  // the epoch about to run (on_fit_begin sees it)
-    state.planned_epochs = shown_end_epoch;
-    state.planned_steps = length.iteration_count() > 0 ? length.iteration_count()
-                                                       : (end_epoch - progress_.fit_first_epoch + 1) * steps_per_epoch;
-    state.step = progress_.global_step - progress_.fit_first_step;
-    state.global_step = progress_.global_step;
-    History visible = progress_.visible_history();
-    state.history = &visible;
-    state.any_rank = [&engine](bool flag) { return engine.any_rank(flag); };
-    state.mean_over_ranks = [&engine](double value) {
-      if (engine.world_size() == 1) return value;
-      torch::Tensor sum = torch::full({1}, value, torch::TensorOptions().dtype(torch::kFloat64).device(engine.device()));
-      engine.all_reduce_sum(sum);
-      return sum.item<double>() / static_cast<double>(engine.world_size());
-    };
-    state.save_checkpoint = [&](const std::filesystem::path& path) {
-      save_checkpoint(engine, keyed, path, engine.is_main());
-    };
-
-    EpochTrainer<Module, Batch> epochs(module_, train_, optimizer_, criterion_, options_, progress_, scaler_, epoch_sums_);
-    Stopwatch fit_clock;
+    start_fit_call(resume_checkpoint(engine, resume, keyed), length);
+    FitRun& run = begin_run(engine, length, callbacks, keyed);
     std::exception_ptr error;
     try {
-      for (auto& cb : active) cb->on_fit_begin(state);
-      bool stopped = false;
-      while (!stopped && progress_.epochs_completed < end_epoch && progress_.global_step < end_step) {
-        state.epoch = progress_.epochs_completed + 1;
-        state.stop_requested = false;
-        for (auto& cb : active) cb->on_epoch_begin(state);
-        const bool epoch_done = with_error_context(
-            [&] { return epochs.run(engine, shard, full_plan, state, active, fit_clock, end_step, visible); },
-            [&] {
-              return concat("trainloop: while training epoch ", state.epoch, ", after batch ", state.batch, " of ",
-                            state.batches_per_epoch, " (rank ", engine.rank(), ")");
-            });
-        if (!epoch_done) break;  // stopped inside the epoch: a step limit or an agreed stop request
-        EpochRecord& record = progress_.history.epochs.back();
-        if (validation_.has_value()) {
-          record.validation = evaluate(engine, validation_);
-          for (auto& cb : active) cb->on_validation_end(state, *record.validation);
-        }
-        visible = progress_.visible_history();
-        for (auto& cb : active) cb->on_epoch_end(state, progress_.history.epochs.back());
-        TRAINLOOP_CHECK(!options_.stop_on_non_finite_loss() || std::isfinite(record.train_loss),
-                        "the training loss of epoch ", record.epoch, " is ", record.train_loss,
-                        "; expected a finite number (lower the learning rate, or turn off stop_on_non_finite_loss)");
-        stopped = engine.any_rank(state.stop_requested);
-        if (stopped) {
-          progress_.history.stop_reason =
-              state.stop_reason.empty() ? "a callback on another rank asked to stop" : state.stop_reason;
-        }
-      }
+      for (auto& cb : run.active) cb->on_fit_begin(run.state);
+      train_epochs(engine, run);
       progress_.fit_finished = true;
-      visible = progress_.visible_history();
-      for (auto& cb : active) cb->on_fit_end(state, visible);
+      run.visible = progress_.visible_history();
+      for (auto& cb : run.active) cb->on_fit_end(run.state, run.visible);
     } catch (...) {
       error = std::current_exception();
     }
-    for (auto& cb : active) {
+    for (auto& cb : run.active) {
       try {
-        cb->on_fit_finally(state, error);
+        cb->on_fit_finally(run.state, error);
       } catch (...) {
         if (!error) error = std::current_exception();  // the first error is the one reported
       }
@@ -244,8 +144,8 @@ class FitRunner {
     // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
     const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
     TrainingProgress snapshot = progress_;
-    if (epoch_sums_ != nullptr && progress_.mid_epoch()) {
-      snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums_->packed_totals().to(torch::kCPU)));
+    if (run_ && run_->epoch_sums && progress_.mid_epoch()) {
+      snapshot.partial_totals = torch::stack(gather_rows(engine, run_->epoch_sums->packed_totals().to(torch::kCPU)));
     }
     CheckpointHeader header;
     header.trainloop_version = identity_.trainloop_version;
@@ -285,6 +185,142 @@ class FitRunner {
   }
 
  private:
+  /// What fit() checks before anything changes: the data, the callbacks, the precision.
+  template <ModeEngine Engine>
+  void check_fit_inputs(Engine& engine, const CallbackList& callbacks) const {
+    options_.validate();
+    TRAINLOOP_CHECK(train_.has_value(), "fit() needs a training dataset");
+    TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
+    for (const auto& cb : callbacks) {
+      TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
+      TRAINLOOP_CHECK(is_example_batch_v<Batch> || !cb->needs_example_batches(), "callback ", cb->state_key(),
+                      " changes batches in on_train_batch, which runs for torch::data::Example<> batches; this loop's "
+                      "batches are ", readable_type_name<Batch>(), ". Expected Example batches for this callback");
+    }
+    TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
+                    "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
+    warn_if_bf16_is_emulated(options_.precision(), engine.device());
+  }
+
+  /// The progress's record of which fit() call runs: a new one unless a checkpoint of an
+  /// unfinished call was resumed; seeds the random streams on the loop's first fit.
+  void start_fit_call(bool resumed, const FitLength& length) {
+    if (!progress_.seeded) {  // the first fit of this loop; later ones continue the random stream
+      torch::manual_seed(options_.seed());
+      progress_.sampler_seed = options_.seed();
+      progress_.seeded = true;
+    }
+    if (!resumed || fit_call_finished()) {  // a new fit() call
+      progress_.fit_first_epoch = progress_.epochs_completed + 1;
+      progress_.fit_first_step = progress_.global_step;
+      progress_.fit_finished = false;
+    }
+    progress_.fit_epoch_count = length.epoch_count();
+    progress_.fit_step_count = length.iteration_count();
+    progress_.history.stop_reason.clear();
+  }
+
+  /// Makes this call's FitRun: the epoch plan, the callbacks of this process, where the call
+  /// ends, fp16's scaler, and the TrainState callbacks see.
+  template <ModeEngine Engine>
+  FitRun& begin_run(Engine& engine, const FitLength& length, const CallbackList& callbacks, const KeyedStates& keyed) {
+    const DataShard shard = engine.data_shard();
+    FitRun& run = run_.emplace(shard, full_epoch_plan(engine, shard));  // the plan once per fit
+    for (const auto& cb : callbacks) {
+      if (!cb->main_process_only() || engine.is_main()) run.active.push_back(cb);
+    }
+    std::stable_partition(run.active.begin(), run.active.end(), [](const auto& cb) { return !cb->runs_after_others(); });
+    if (options_.precision() == Precision::fp16) {
+      run.scaler.emplace(options_.grad_scaler());
+      if (progress_.grad_scaler_state.defined()) run.scaler->load_state(progress_.grad_scaler_state);
+    }
+    const int64_t accumulation = options_.grad_accumulation_steps();
+    const int64_t steps_per_epoch = (run.full_plan.batches() + accumulation - 1) / accumulation;
+    constexpr int64_t unbounded = std::numeric_limits<int64_t>::max();
+    run.end_step = length.iteration_count() > 0 ? progress_.fit_first_step + length.iteration_count() : unbounded;
+    // Fitting by iterations, only the step count ends the call; the epoch shown is an estimate.
+    run.end_epoch = length.epoch_count() > 0 ? progress_.fit_first_epoch - 1 + length.epoch_count() : unbounded;
+    TrainState& state = run.state;
+    state.planned_epochs = length.epoch_count() > 0 ? run.end_epoch
+                                                    : progress_.fit_first_epoch - 1 +
+                                                          (length.iteration_count() + steps_per_epoch - 1) / steps_per_epoch;
+    state.planned_steps = length.iteration_count() > 0
+                              ? length.iteration_count()
+                              : (run.end_epoch - progress_.fit_first_epoch + 1) * steps_per_epoch;
+    describe_run(engine, run, keyed);
+    return run;
+  }
+
+  /// The rest of the TrainState: who this process is, where training stands, and the
+  /// collectives and checkpoint writing callbacks may call.
+  template <ModeEngine Engine>
+  void describe_run(Engine& engine, FitRun& run, const KeyedStates& keyed) {
+    TrainState& state = run.state;
+    state.world_size = engine.world_size();
+    state.rank = engine.rank();
+    state.is_main = engine.is_main();
+    state.model = &module_;
+    state.optimizer = &optimizer_;
+    state.num_classes = train_.num_classes().value_or(0);
+    state.batches_per_epoch = run.full_plan.batches();
+    state.first_epoch = progress_.fit_first_epoch;
+    state.epoch = progress_.epochs_completed + 1;  // the epoch about to run (on_fit_begin sees it)
+    state.step = progress_.global_step - progress_.fit_first_step;
+    state.global_step = progress_.global_step;
+    run.visible = progress_.visible_history();
+    state.history = &run.visible;
+    state.any_rank = [&engine](bool flag) { return engine.any_rank(flag); };
+    state.mean_over_ranks = [&engine](double value) {
+      if (engine.world_size() == 1) return value;
+      torch::Tensor sum = torch::full({1}, value, torch::TensorOptions().dtype(torch::kFloat64).device(engine.device()));
+      engine.all_reduce_sum(sum);
+      return sum.item<double>() / static_cast<double>(engine.world_size());
+    };
+    state.save_checkpoint = [this, &engine, keyed](const std::filesystem::path& path) {
+      save_checkpoint(engine, keyed, path, engine.is_main());
+    };
+  }
+
+  /// The epochs of this call, until its length, a stop inside an epoch, or an agreed stop.
+  template <ModeEngine Engine>
+  void train_epochs(Engine& engine, FitRun& run) {
+    EpochTrainer<Module, Batch> epochs(module_, train_, optimizer_, criterion_, options_, progress_);
+    TrainState& state = run.state;
+    run.clock = Stopwatch();
+    bool stopped = false;
+    while (!stopped && progress_.epochs_completed < run.end_epoch && progress_.global_step < run.end_step) {
+      state.epoch = progress_.epochs_completed + 1;
+      state.stop_requested = false;
+      for (auto& cb : run.active) cb->on_epoch_begin(state);
+      const bool epoch_done = with_error_context([&] { return epochs.run(engine, run); }, [&] {
+        return concat("trainloop: while training epoch ", state.epoch, ", after batch ", state.batch, " of ",
+                      state.batches_per_epoch, " (rank ", engine.rank(), ")");
+      });
+      if (!epoch_done) break;  // stopped inside the epoch: a step limit or an agreed stop request
+      stopped = close_epoch(engine, run);
+    }
+  }
+
+  /// After a complete epoch: validation, on_epoch_end, the finite-loss check, the agreed stop.
+  /// Returns true when the ranks agreed to stop.
+  template <ModeEngine Engine>
+  bool close_epoch(Engine& engine, FitRun& run) {
+    TrainState& state = run.state;
+    EpochRecord& record = progress_.history.epochs.back();
+    if (validation_.has_value()) {
+      record.validation = evaluate(engine, validation_);
+      for (auto& cb : run.active) cb->on_validation_end(state, *record.validation);
+    }
+    run.visible = progress_.visible_history();
+    for (auto& cb : run.active) cb->on_epoch_end(state, progress_.history.epochs.back());
+    TRAINLOOP_CHECK(!options_.stop_on_non_finite_loss() || std::isfinite(record.train_loss),
+                    "the training loss of epoch ", record.epoch, " is ", record.train_loss,
+                    "; expected a finite number (lower the learning rate, or turn off stop_on_non_finite_loss)");
+    const bool stopped = engine.any_rank(state.stop_requested);
+    if (stopped) progress_.history.stop_reason = agreed_stop_reason(state);
+    return stopped;
+  }
+
   /// Loads the first readable checkpoint of `resume`; false when there was none to load.
   /// @throws trainloop::CheckpointError when none is readable (or the one asked for is not).
   template <ModeEngine Engine>
@@ -325,8 +361,7 @@ class FitRunner {
   const TrainLoopOptions& options_;
   TrainingProgress& progress_;
   RunIdentity identity_;
-  MetricAccumulator* epoch_sums_ = nullptr;  // the current epoch's sums, while it trains
-  std::optional<GradScaler> scaler_;         // fp16's loss scaler, during a fit
+  std::optional<FitRun> run_;  // the state of the fit() call running, while it runs
 };
 
 }  // namespace trainloop::detail

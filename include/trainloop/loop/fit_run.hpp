@@ -1,0 +1,47 @@
+#pragma once
+/// @file
+/// @brief Everything one fit() call owns while it runs, in one object: the FitRunner creates it
+/// when the call starts, the epochs read and update it, a checkpoint written inside the call reads
+/// the current epoch's sums from it, and it ends with the call. Nothing of it outlives fit().
+
+#include <trainloop/callbacks/callback.hpp>
+#include <trainloop/detail/stopwatch.hpp>
+#include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/history.hpp>
+#include <trainloop/loop/epoch_batch_plan.hpp>
+#include <trainloop/metrics/metric_accumulator.hpp>
+#include <trainloop/precision/grad_scaler.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace trainloop::detail {
+
+/// One fit() call's state (see the file comment). Not movable once made: the TrainState's
+/// `history` points at `visible`.
+struct FitRun {
+  FitRun(DataShard data_shard, EpochBatchPlan epoch_plan) : shard(data_shard), full_plan(std::move(epoch_plan)) {}
+  FitRun(const FitRun&) = delete;
+  FitRun& operator=(const FitRun&) = delete;
+
+  DataShard shard;              ///< which part of the training set this process reads
+  EpochBatchPlan full_plan;     ///< the micro-batches of a whole epoch (an epoch from its start follows it)
+  CallbackList active;          ///< the callbacks that run on this process, in call order
+  int64_t end_step = 0;         ///< the global step at which the call ends (max without a step count)
+  int64_t end_epoch = 0;        ///< the epoch after which the call ends (max when fitting by steps)
+  TrainState state;             ///< what callbacks see
+  History visible;              ///< the History callbacks see (state.history points here)
+  Stopwatch clock;              ///< since the call started
+  std::optional<GradScaler> scaler;              ///< fp16's loss scaler
+  std::optional<MetricAccumulator> epoch_sums;   ///< the current epoch's sums, while it trains
+};
+
+/// What the History records as the reason of a stop all ranks agreed on: this rank's callback's
+/// reason, or that a callback on another rank asked (the reason text stays on that rank).
+inline std::string agreed_stop_reason(const TrainState& state) {
+  return state.stop_reason.empty() ? "a callback on another rank asked to stop" : state.stop_reason;
+}
+
+}  // namespace trainloop::detail
