@@ -626,15 +626,19 @@ BOOST_AUTO_TEST_CASE(ddp_k_epochs_then_resume_then_k_epochs_equals_2k_bit_for_bi
 
 BOOST_AUTO_TEST_CASE(spawned_ranks_start_from_the_callers_weights_also_when_a_resume_finds_nothing) {
   // Rank 1 builds its model from another seed than the caller. A spawned rank does not broadcast:
-  // it loads the caller's state (initial.ckpt), also when fit()'s resume ("last", no checkpoint
-  // yet) finds nothing. If it kept its own weights, the ranks would train apart from step 1.
+  // it loads the caller's state (initial.ckpt) when fit() resumes nothing, and also when its
+  // resume ("last") finds only a checkpoint it cannot read. If it kept its own weights, the
+  // ranks would train apart from step 1.
   auto dir = fresh_dir("ckpt_fallback");
   auto same = run_ckpt("same", dir / "same", "TL_TEST_EPOCHS=1");
   BOOST_REQUIRE_MESSAGE(same.exit_code == 0, same.output);
   auto fresh = run_ckpt("fresh", dir / "fresh", "TL_TEST_EPOCHS=1 TL_TEST_SEED_BY_RANK=1");
   BOOST_REQUIRE_MESSAGE(fresh.exit_code == 0, fresh.output);
+  fs::create_directories(dir / "nothing");
+  std::ofstream(dir / "nothing" / "last.ckpt") << "not a checkpoint";
   auto resumed_nothing = run_ckpt("nothing", dir / "nothing", "TL_TEST_EPOCHS=1 TL_TEST_SEED_BY_RANK=1 TL_TEST_RESUME=last");
   BOOST_REQUIRE_MESSAGE(resumed_nothing.exit_code == 0, resumed_nothing.output);
+  BOOST_TEST(resumed_nothing.output.find("last.ckpt") != std::string::npos);  // skipped, with a warning
   const torch::Tensor expected = load_params((same.dir / "params.pt").string());
   BOOST_TEST(torch::equal(load_params((fresh.dir / "params.pt").string()), expected));
   BOOST_TEST(torch::equal(load_params((resumed_nothing.dir / "params.pt").string()), expected));
