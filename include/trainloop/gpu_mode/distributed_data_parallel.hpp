@@ -222,8 +222,9 @@ class DistributedDataParallelEngine {
                       "same parameter groups in every ZeRO fit of this loop (or a checkpoint written before the "
                       "change, which holds the whole state, resumed by a new loop)");
       if (group_->world_size() > 1) {
-        zero_.emplace(optimizer, group_->rank(), group_->world_size());
-        zero_->drop_state_of_others(optimizer);  // a whole state loaded before this fit keeps this rank's share
+        // The same layout in every fit: the optimizer keys this rank's state by its pieces.
+        if (!zero_) zero_.emplace(optimizer, group_->rank(), group_->world_size());
+        zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces
       }
     }
     // One rank: the local gradient is the average; reducing it copied and "all-reduced" every

@@ -80,7 +80,7 @@ inline void load_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* ze
                                      torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
                                      const torch::Device& device) {
   ::trainloop::detail::load_optimizer_state(optimizer, archive);
-  if (zero) zero->drop_state_of_others(optimizer);
+  if (zero) zero->keep_own_share(optimizer);
   torch::serialize::InputArchive hooks;
   torch::Tensor saved_world, bytes;
   if (hook == nullptr || group == nullptr || !archive.try_read("trainloop_comm_hook", hooks) ||
