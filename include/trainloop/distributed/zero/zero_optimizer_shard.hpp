@@ -95,7 +95,9 @@ class ZeroOptimizerShard {
     }
     chunk_ = (total_ + world_size_ - 1) / std::max(world_size_, 1);
     const int64_t begin = rank_ * chunk_, end = std::min(total_, begin + chunk_);
+    piece_of_.assign(distinct_.size(), -1);  // a range is contiguous: at most one piece per tensor
     for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t flat, int64_t length) {
+      piece_of_[d] = static_cast<int64_t>(pieces_.size());
       pieces_.push_back(Piece{d, in_tensor, length, flat, flat_view(distinct_[d]).narrow(0, in_tensor, length)});
     });
   }
@@ -152,10 +154,9 @@ class ZeroOptimizerShard {
     for (size_t d = 0; d < distinct_.size(); ++d) {
       auto whole = state.find(::trainloop::detail::optimizer_state_key(state, distinct_[d]));
       if (whole == state.end()) continue;
-      for (const auto& piece : pieces_) {
-        if (piece.distinct == d) {
-          state[::trainloop::detail::optimizer_state_key(state, piece.view)] = slice_state(*whole->second, piece);
-        }
+      if (piece_of_[d] >= 0) {
+        const Piece& piece = pieces_[static_cast<size_t>(piece_of_[d])];
+        state[::trainloop::detail::optimizer_state_key(state, piece.view)] = slice_state(*whole->second, piece);
       }
       state.erase(::trainloop::detail::optimizer_state_key(state, distinct_[d]));
     }
@@ -242,9 +243,8 @@ class ZeroOptimizerShard {
       for (auto& group : optimizer_.param_groups()) {
         std::vector<torch::Tensor> mine;
         for (size_t i = 0; i < group.params().size(); ++i, ++index) {
-          for (const auto& piece : shard.pieces_) {
-            if (piece.distinct == shard.distinct_of_[index]) mine.push_back(piece.view);
-          }
+          const int64_t piece = shard.piece_of_[shard.distinct_of_[index]];
+          if (piece >= 0) mine.push_back(shard.pieces_[static_cast<size_t>(piece)].view);
         }
         saved_.push_back(std::move(group.params()));
         group.params() = std::move(mine);
@@ -386,6 +386,7 @@ class ZeroOptimizerShard {
   int64_t total_ = 0;                      // elements of all distinct tensors
   int64_t chunk_ = 0;                      // elements per rank's range: ceil(total_ / world_size_)
   std::vector<Piece> pieces_;              // this rank's range, in flat order
+  std::vector<int64_t> piece_of_;          // pieces_ index of distinct_[d]'s piece, -1 if none here
   std::vector<size_t> gathered_;           // distinct indices gather_state() added on the root
 };
 
