@@ -837,51 +837,124 @@ BOOST_AUTO_TEST_CASE(zero_owners_balance_the_elements_and_bad_settings_are_named
   BOOST_TEST(std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).zero());
 }
 
-// 20 steps of Adam with clipping: ZeRO equals plain DDP in the parameters and in every Adam moment
-// (gathered into the checkpoint), and each rank holds about 1/W of the state.
-BOOST_AUTO_TEST_CASE(zero_with_adam_equals_plain_ddp_and_each_rank_holds_a_share_of_the_state) {
+// Levels 2 and 3 cut each unit (a submodule) in W chunks; units are named like FSDP's wrap policy.
+BOOST_AUTO_TEST_CASE(sharding_units_are_the_named_submodules_and_bad_names_and_levels_are_named) {
+  torch::manual_seed(5);
+  Mlp net;
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+  const auto children = tl::distributed::assign_units(*net, {});
+  BOOST_TEST(children.names == (std::vector<std::string>{"fc1", "fc2", "fc3"}));
+  BOOST_TEST(children.unit_of.at(net->fc2->bias.unsafeGetTensorImpl()) == 1);
+  for (int world : {2, 3}) {
+    int64_t total = 0;
+    for (int r = 0; r < world; ++r) {
+      tl::distributed::ZeroOptimizerShard shard(adam, r, world, children.unit_of);
+      BOOST_TEST(shard.unit_count() == 3u);
+      BOOST_TEST(shard.unit_length(1) == 272);
+      BOOST_TEST(shard.unit_chunk(1) == (272 + world - 1) / world);
+      total += shard.owned_elements(r);
+    }
+    BOOST_TEST(total == kMlpParameters);  // every element has exactly one owner
+  }
+  // One named unit: fc2's two tensors; fc1's and fc3's form the unit of the rest.
+  const auto one = tl::distributed::assign_units(*net, {"fc2"});
+  BOOST_TEST(one.names == (std::vector<std::string>{"fc2", ""}));
+  BOOST_TEST(one.unit_of.at(net->fc1->weight.unsafeGetTensorImpl()) == 1);
+  BOOST_TEST(tl::distributed::ZeroOptimizerShard(adam, 0, 2, one.unit_of).unit_length(1) == 112 + 51);
+  auto error_of = [](const std::function<void()>& body) {
+    try {
+      body();
+    } catch (const tl::ConfigurationError& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  BOOST_TEST(error_of([&] { tl::distributed::assign_units(*net, {"fc9"}); }) ==
+             "trainloop: sharding unit 'fc9' names no submodule of the model; expected a dotted submodule path such "
+             "as one of its children: fc1, fc2, fc3");
+  BOOST_TEST(error_of([] { tl::distributed::sharding_named("fsdp"); }) ==
+             "trainloop: sharding is 'fsdp'; expected none, optimizer, gradients or full");
+  tl::ModeFlags flags;
+  flags.sharding = "full";
+  BOOST_TEST(error_of([&] { tl::mode_from_flags(flags); }) ==
+             "trainloop: sharding is 'full' with gpu mode 'single'; expected gpu mode ddp (sharding splits the model "
+             "over DDP's processes) or sharding none");
+  flags.gpu_mode = "ddp";
+  BOOST_TEST(std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).resolved_sharding() ==
+             tl::distributed::Sharding::Full);
+  BOOST_TEST(tl::gpu_mode::DistributedDataParallel().zero(true).resolved_sharding() == tl::distributed::Sharding::Optimizer);
+}
+
+namespace {
+/// The three sharding levels, as ddp_worker's settings, and the elements the rank holding the most
+/// keeps state for: level 1 cuts the whole flat space, levels 2 and 3 each unit (fc1 112, fc2 272,
+/// fc3 51 elements) in W chunks.
+struct LevelCase {
+  const char* name;
+  const char* settings;
+  bool by_unit;
+};
+constexpr LevelCase kLevels[] = {{"optimizer", "TL_TEST_ZERO=1 ", false},
+                                 {"gradients", "TL_TEST_SHARDING=gradients ", true},
+                                 {"full", "TL_TEST_SHARDING=full ", true}};
+int64_t most_owned_elements(const LevelCase& level, int64_t world) {
+  auto chunk = [world](int64_t n) { return (n + world - 1) / world; };
+  return level.by_unit ? chunk(112) + chunk(272) + chunk(51) : chunk(kMlpParameters);
+}
+}  // namespace
+
+// 20 steps of Adam with clipping: every sharding level equals plain DDP in the parameters and in
+// every Adam moment (gathered into the checkpoint), and each rank holds about 1/W of the state.
+BOOST_AUTO_TEST_CASE(every_sharding_level_with_adam_equals_plain_ddp_and_each_rank_holds_a_share_of_the_state) {
   for (int world : {2, 3}) {
     auto dir = fresh_dir("zero_vs_ddp_" + std::to_string(world));
     const std::string common = "TL_TEST_EPOCHS=4 TL_TEST_OPTIMIZER=adam TL_TEST_CLIP_PERCENT=50 ";
     auto ddp = run_worker("ckpt", world, 0, common + "TL_TEST_CKPT_DIR=" + (dir / "ddp").string(), "_ddp");
     BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
-    auto zero = run_worker("ckpt", world, 0, common + "TL_TEST_ZERO=1 TL_TEST_CKPT_DIR=" + (dir / "zero").string(), "_zero");
-    BOOST_REQUIRE_MESSAGE(zero.exit_code == 0, zero.output);
-    BOOST_TEST(zero.result["steps"] == 20);
-    const double params = (load_params((zero.dir / "params.pt").string()) - load_params((ddp.dir / "params.pt").string()))
-                              .abs().max().item<double>();
     const auto [ddp_moments, ddp_states] = adam_moments(dir / "ddp" / "last.ckpt");
-    const auto [zero_moments, zero_states] = adam_moments(dir / "zero" / "last.ckpt");
     BOOST_TEST(ddp_states == 6);
-    BOOST_TEST(zero_states == 6);  // the whole state, gathered from every rank
-    BOOST_REQUIRE(zero_moments.sizes() == ddp_moments.sizes());
-    const double moments = (zero_moments - ddp_moments).abs().max().item<double>();
-    BOOST_TEST_MESSAGE("world " << world << ", 20 Adam steps: max |zero - ddp| parameters " << params << ", moments "
-                                << moments);
-    BOOST_TEST(params <= 1e-6);
-    BOOST_TEST(moments <= 1e-6);
-    // Bytes of optimizer state on the rank holding the most: DDP the whole (2 moments x 4 bytes x
-    // 435), ZeRO 1/W of it.
+    // Bytes of optimizer state on the rank holding the most: DDP the whole (2 moments x 4 bytes x 435).
     const double whole = 2 * 4 * kMlpParameters;
     BOOST_TEST(ddp.result["optimizer_state_bytes"] == whole);
-    BOOST_TEST_MESSAGE("world " << world << ": optimizer state per rank, ddp " << ddp.result["optimizer_state_bytes"]
-                                << " bytes, zero " << zero.result["optimizer_state_bytes"] << " bytes");
-    BOOST_TEST(zero.result["optimizer_state_bytes"] >= whole / world);
-    // Exact shares: the rank holding the most has ceil(435 / W) elements' moments, within one
-    // element (2 moments x 4 bytes) of 1/W, whatever the largest tensor.
-    BOOST_TEST(zero.result["optimizer_state_bytes"] == 2 * 4 * ((kMlpParameters + world - 1) / world));
-    // Every rank's bytes reach the History: under ZeRO each parameter's state is on exactly one rank.
-    BOOST_TEST(zero.result["optimizer_state_ranks"] == world);
-    BOOST_TEST(zero.result["optimizer_state_bytes_total"] == whole);
     BOOST_TEST(ddp.result["optimizer_state_bytes_total"] == whole * world);
-    for (auto* run : {&ddp, &zero}) fs::remove_all(run->dir);
+    for (const LevelCase& level : kLevels) {
+      BOOST_TEST_CONTEXT("world " << world << ", sharding " << level.name) {
+        auto zero = run_worker("ckpt", world, 0, common + level.settings + "TL_TEST_CKPT_DIR=" + (dir / level.name).string(),
+                               std::string("_") + level.name);
+        BOOST_REQUIRE_MESSAGE(zero.exit_code == 0, zero.output);
+        BOOST_TEST(zero.result["steps"] == 20);
+        const double params = (load_params((zero.dir / "params.pt").string()) - load_params((ddp.dir / "params.pt").string()))
+                                  .abs().max().item<double>();
+        const auto [zero_moments, zero_states] = adam_moments(dir / level.name / "last.ckpt");
+        BOOST_TEST(zero_states == 6);  // the whole state, gathered from every rank
+        BOOST_REQUIRE(zero_moments.sizes() == ddp_moments.sizes());
+        const double moments = (zero_moments - ddp_moments).abs().max().item<double>();
+        BOOST_TEST_MESSAGE("world " << world << ", sharding " << level.name << ", 20 Adam steps with clipping: max |level - ddp| "
+                           "parameters " << params << ", moments " << moments << "; optimizer state on the rank holding "
+                           "the most " << zero.result["optimizer_state_bytes"] << " bytes (ddp " << whole << ")");
+        BOOST_TEST(params <= 1e-6);
+        BOOST_TEST(moments <= 1e-6);
+        // Exact shares: the rank holding the most has ceil(N / W) elements' moments (per unit at
+        // levels 2 and 3), within one element per unit of 1/W, whatever the largest tensor.
+        BOOST_TEST(zero.result["optimizer_state_bytes"] == 2 * 4 * most_owned_elements(level, world));
+        // Every rank's bytes reach the History: each parameter's state is on exactly one rank.
+        BOOST_TEST(zero.result["optimizer_state_ranks"] == world);
+        BOOST_TEST(zero.result["optimizer_state_bytes_total"] == whole);
+        fs::remove_all(zero.dir);
+      }
+    }
+    fs::remove_all(ddp.dir);
     fs::remove_all(dir);
   }
 }
 
-BOOST_AUTO_TEST_CASE(zero_restarts_bit_for_bit_and_its_checkpoints_resume_in_any_mode_and_world_size) {
-  auto dir = fresh_dir("zero_ckpt");
-  const std::string adam = "TL_TEST_OPTIMIZER=adam ", zero = adam + "TL_TEST_ZERO=1 ";
+// Each sharding level: killed and restarted, bit for bit; its checkpoints resume in plain DDP, in
+// another world size and in one process, and plain DDP's resume in it.
+BOOST_AUTO_TEST_CASE(every_sharding_level_restarts_bit_for_bit_and_its_checkpoints_resume_in_any_mode_and_world_size) {
+ for (const LevelCase& level : kLevels) {
+ BOOST_TEST_CONTEXT("sharding " << level.name) {
+  auto dir = fresh_dir(std::string("zero_ckpt_") + level.name);
+  const std::string adam = "TL_TEST_OPTIMIZER=adam ", zero = adam + level.settings;
   auto full = run_ckpt("zero_full", dir / "full", zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2");
   BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
   // Rank 1 killed at step 7 (inside epoch 2): all ranks restart from the step-6 checkpoint.
@@ -902,7 +975,7 @@ BOOST_AUTO_TEST_CASE(zero_restarts_bit_for_bit_and_its_checkpoints_resume_in_any
   BOOST_TEST(in_ddp.result["epochs"] == 3);
   const double mixed = (load_params((in_ddp.dir / "params.pt").string()) - load_params((full.dir / "params.pt").string()))
                            .abs().max().item<double>();
-  BOOST_TEST_MESSAGE("2 epochs ZeRO + 1 epoch plain DDP vs 3 epochs ZeRO: max |diff| " << mixed);
+  BOOST_TEST_MESSAGE("sharding " << level.name << ": 2 epochs sharded + 1 epoch plain DDP vs 3 epochs sharded: max |diff| " << mixed);
   BOOST_TEST(mixed <= 1e-6);
   // ... and plain DDP's checkpoint of epoch 3 continues in ZeRO; ZeRO's in 3 ranks (another world size).
   auto ddp_then_zero = run_ckpt("zero_third", dir / "mixed", zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
@@ -924,6 +997,8 @@ BOOST_AUTO_TEST_CASE(zero_restarts_bit_for_bit_and_its_checkpoints_resume_in_any
   BOOST_TEST(tl::optimizer_state_bytes(optimizer) == 2 * 4 * kMlpParameters);
   for (auto* run : {&full, &killed, &first, &in_ddp, &ddp_then_zero, &three}) fs::remove_all(run->dir);
   fs::remove_all(dir);
+ }
+ }
 }
 
 // PowerSGD's state (Q and error feedback, per rank) is in the checkpoints: 20 steps, compression

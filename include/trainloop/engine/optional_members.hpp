@@ -28,6 +28,10 @@
 /// | load_optimizer_state(optimizer, archive)          | resuming, on every rank; throws when the state does   |
 /// |                                                   | not fit (the loop then puts the previous state back). |
 /// |                                                   | Default: checked and loaded in libtorch's format      |
+/// | unshard_parameters()                              | before evaluation, prediction and writing a           |
+/// |                                                   | checkpoint, on every rank (a collective): a mode that |
+/// |                                                   | keeps a share of the parameters between steps makes   |
+/// |                                                   | them whole (DDP's sharding full). Default: nothing    |
 /// | run_fit(actions, resume)                          | wraps a whole fit (DDP launches ranks or ends a       |
 /// |                                                   | spawned one). Default: actions.train(resume)          |
 /// | cannot_train (static text)                        | what the mode says about a model or batch it cannot   |
@@ -102,6 +106,13 @@ void step_optimizer(Engine& engine, torch::optim::Optimizer& optimizer) {
   } else {
     optimizer.step();
   }
+}
+
+/// Every parameter of the model whole on this rank: the engine's unshard_parameters() when it
+/// has one (a collective: every rank calls it at the same point), nothing otherwise.
+template <class Engine>
+void unshard_parameters(Engine& engine) {
+  if constexpr (requires { engine.unshard_parameters(); }) engine.unshard_parameters();
 }
 
 /// The optimizer part of a checkpoint, on every rank: the engine's save_optimizer_state when it

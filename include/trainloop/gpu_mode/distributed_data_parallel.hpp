@@ -24,8 +24,11 @@
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/launcher.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
+#include <trainloop/distributed/zero/sharded_units.hpp>
+#include <trainloop/distributed/zero/sharding.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/optimizer_step.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
@@ -35,6 +38,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <exception>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -91,10 +96,18 @@ struct DistributedDataParallel {
   /// the factory makes each fit's hook — `distributed::comm_hook_named("fp16")` or `"bf16"`
   /// (distributed/ddp/compression_hooks.hpp) or a user's own GradientCommHook.
   TORCH_ARG(distributed::CommHookFactory, comm_hook) = {};
-  /// ZeRO stage 1: shard the optimizer state over the ranks (distributed/zero/zero_optimizer_shard.hpp).
-  /// Each rank keeps and steps the state of about 1/W of the parameters, then sends them to the
-  /// others; checkpoints still hold the whole state (gathered on save), so they resume in any mode.
+  /// ZeRO stage 1, the same as sharding(Sharding::Optimizer) (kept for the flag `--zero`).
   TORCH_ARG(bool, zero) = false;
+  /// What each rank keeps only 1/W of (distributed/zero/sharding.hpp): none (plain DDP), the
+  /// optimizer state (ZeRO-1, distributed/zero/zero_optimizer_shard.hpp), also the reduced
+  /// gradients (ZeRO-2) or also the parameters between uses (ZeRO-3, FSDP's FULL_SHARD;
+  /// distributed/zero/sharded_units.hpp). Checkpoints hold the whole state and parameters
+  /// (gathered on save), so they resume in any mode, level and world size.
+  TORCH_ARG(distributed::Sharding, sharding) = distributed::Sharding::None;
+  /// Levels gradients and full: the submodules (dotted paths, as named_modules() prints them)
+  /// whose parameters are reduced and gathered together, like FSDP's auto-wrap policy; empty:
+  /// the model's top-level children. Parameters of no unit form one more unit.
+  TORCH_ARG(std::vector<std::string>, sharding_units) = {};
   /// Limit for joining the group and for each collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
   /// Seconds the launcher waits after SIGTERM before SIGKILL when a rank failed.
@@ -116,6 +129,10 @@ struct DistributedDataParallel {
     if (procs_per_node_ > 0) return procs_per_node_;
     if (!gpus_.empty()) return static_cast<int>(gpus_.size());
     return resolved_device_type() == torch::kCUDA ? static_cast<int>(trainloop::detail::cuda_device_count()) : 2;
+  }
+  /// @brief The sharding level, after applying zero() (= Sharding::Optimizer at least).
+  distributed::Sharding resolved_sharding() const {
+    return zero_ && sharding_ < distributed::Sharding::Optimizer ? distributed::Sharding::Optimizer : sharding_;
   }
   /// @brief Throws trainloop::Error naming the first option out of range.
   void validate() const {
@@ -214,23 +231,11 @@ class DistributedDataParallelEngine {
     TRAINLOOP_CHECK(env_.has_value(), "the DDP engine trained outside a rank; expected fit() to launch ranks");
     prepare();
     if (!spawned() && !std::exchange(synced_since_join_, false)) distributed::broadcast_module_state(*module_, *group_);
-    if (mode_.zero()) {
-      distributed::ZeroOptimizerShard::check_optimizer(optimizer);
-      // Joined ranks (torchrun...) keep only their share after a ZeRO fit: new owners would lose it.
-      TRAINLOOP_CHECK(!zero_ || zero_->same_parameters(optimizer), "the optimizer's parameters changed since the "
-                      "last ZeRO fit, and each rank holds only the state of its share of the old ones; expected the "
-                      "same parameter groups in every ZeRO fit of this loop (or a checkpoint written before the "
-                      "change, which holds the whole state, resumed by a new loop)");
-      if (group_->world_size() > 1) {
-        // The same layout in every fit: the optimizer keys this rank's state by its pieces.
-        if (!zero_) zero_.emplace(optimizer, group_->rank(), group_->world_size());
-        zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces
-      }
-    }
+    if (mode_.resolved_sharding() != distributed::Sharding::None) begin_sharded_fit(optimizer);
     // One rank: the local gradient is the average; reducing it copied and "all-reduced" every
     // gradient for nothing (measured on an H100, 1-rank NCCL, MLP 4096x4: 5.05 ms per step vs
     // 4.53 ms without DDP).
-    if (group_->world_size() == 1) return;
+    if (group_->world_size() == 1 || units_) return;  // sharded gradients are reduced by the units
     parameters_ = module_->parameters();
     comm_hook_ = mode_.comm_hook() ? mode_.comm_hook()() : nullptr;
     TRAINLOOP_CHECK(!mode_.comm_hook() || comm_hook_, "the comm_hook factory returned no hook; expected a "
@@ -242,6 +247,20 @@ class DistributedDataParallelEngine {
   /// model) must not find them still reducing. ZeRO's owners stay until the next fit: after a
   /// ZeRO fit each rank's optimizer holds its share, and a checkpoint saved then still gathers it.
   void end_fit() noexcept {
+    if (units_) {
+      // Each parameter its own tensor again, whole: a collective, unless the fit is ending with
+      // an exception (the other ranks may not be listening; ShardedUnits::release says what is lost).
+      const bool communicate = std::uncaught_exceptions() == 0;
+      try {
+        units_->release(communicate);
+      } catch (...) {
+        try {
+          units_->release(false);
+        } catch (...) {
+        }
+      }
+      units_.reset();
+    }
     reducer_.reset();
     comm_hook_.reset();
     parameters_.clear();
@@ -253,6 +272,13 @@ class DistributedDataParallelEngine {
   void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool synchronize, Sink&& sink) {
     if (reducer_ && trainable_set_changed()) build_reducer();  // frozen or unfrozen since (finetune/freeze.hpp)
     if (reducer_) reducer_->set_sync(synchronize);
+    if (units_) units_->begin_micro_batch(synchronize);
+    struct EndMicroBatch {  // level 3 frees the units also when the step throws
+      distributed::ShardedUnits* units;
+      ~EndMicroBatch() {
+        if (units) units->end_micro_batch();
+      }
+    } end{units_ ? &*units_ : nullptr};
     StepOutput out = forward(*module_, batch_to_device(batch, device_));
     (loss_scale == 1.0 ? out.loss : out.loss * loss_scale).backward();
     sink(out);
@@ -261,6 +287,11 @@ class DistributedDataParallelEngine {
   /// micro-batch, so it runs no forward or backward but still takes part in the reduction when
   /// `synchronize` is true — with the gradient it accumulated earlier in the window, else zeros.
   void train_without_samples(bool synchronize) {
+    TRAINLOOP_CHECK(mode_.resolved_sharding() != distributed::Sharding::Full, "exact_uneven_batches gave rank ",
+                    rank(), " a micro-batch without samples, and sharding is full: the other ranks gather parameters "
+                    "as their operators run, which a rank without samples cannot follow; expected exact_uneven_batches "
+                    "off or sharding gradients");
+    if (units_) units_->begin_micro_batch(synchronize);  // joins the reduction in finalize()
     if (reducer_ && trainable_set_changed()) build_reducer();
     if (reducer_) reducer_->set_sync(synchronize);
   }
@@ -272,6 +303,33 @@ class DistributedDataParallelEngine {
   bool gradients_agree() const { return reducer_.has_value(); }
   void after_optimizer_step() {
     if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
+  }
+
+  /// The whole optimizer step. Plain DDP and ZeRO-1: the default sequence (engine/optimizer_step.hpp).
+  /// Sharded gradients (levels 2 and 3): the same sequence on this rank's pieces, whose gradients
+  /// are its reduced chunks: fp16 unscales them and every rank agrees on a skip, clipping uses the
+  /// norm over every rank's chunks, the owners step, and at level 2 broadcast their pieces.
+  OptimizerStepResult optimizer_step(const OptimizerStepRequest<Module>& request) {
+    if (!units_) return default_optimizer_step(*this, request);
+    units_->finalize();
+    const std::vector<torch::Tensor>& pieces = zero_->pieces_with_unit_gradients();
+    bool overflow = request.scaler != nullptr && request.scaler->unscale(pieces);
+    if (request.scaler != nullptr) overflow = any_rank(overflow);
+    if (request.clip_grad_norm > 0.0 && !overflow) clip_sharded_gradients(pieces, request.clip_grad_norm);
+    if (request.before_step) request.before_step();
+    OptimizerStepResult result{learning_rate_of(request.optimizer), momentum_of(request.optimizer), overflow};
+    if (!overflow) {
+      zero_->step_pieces(request.optimizer);
+      if (mode_.resolved_sharding() == distributed::Sharding::Gradients) zero_->broadcast_pieces(*group_);
+    }
+    if (request.scaler != nullptr) request.scaler->update(overflow);
+    after_optimizer_step();
+    detail::zero_grad_in_place(request.optimizer);  // the whole gradients went with their reduction
+    return result;
+  }
+  /// Level 3: every unit whole on every rank, for evaluation or a checkpoint (a collective).
+  void unshard_parameters() {
+    if (units_) units_->unshard();
   }
 
   /// The optimizer step: under ZeRO this rank's share, then every owner's parameters to every
@@ -322,6 +380,81 @@ class DistributedDataParallelEngine {
   }
 
  private:
+  /// ZeRO at any level: the layout of the optimizer state over the ranks (made once, the same in
+  /// every fit: the optimizer keys this rank's state by its pieces), this rank's share of a whole
+  /// state loaded before, and at levels 2 and 3 the units.
+  void begin_sharded_fit(torch::optim::Optimizer& optimizer) {
+    const distributed::Sharding level = mode_.resolved_sharding();
+    distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    // Joined ranks (torchrun...) keep only their share after a ZeRO fit: new owners would lose it.
+    TRAINLOOP_CHECK(!zero_ || zero_->same_parameters(optimizer), "the optimizer's parameters changed since the "
+                    "last ZeRO fit, and each rank holds only the state of its share of the old ones; expected the "
+                    "same parameter groups in every ZeRO fit of this loop (or a checkpoint written before the "
+                    "change, which holds the whole state, resumed by a new loop)");
+    if (group_->world_size() == 1) return;
+    if (level == distributed::Sharding::Optimizer) {
+      if (!zero_) zero_.emplace(optimizer, group_->rank(), group_->world_size());
+    } else {
+      const distributed::UnitAssignment units = distributed::assign_units(*module_, mode_.sharding_units());
+      check_model_unchanged();
+      for (const auto& parameter : module_->named_parameters()) {
+        TRAINLOOP_CHECK(!parameter.value().requires_grad() || is_in(optimizer, parameter.value()), "parameter '",
+                        parameter.key(), "' requires grad but is not in the optimizer; sharding ",
+                        distributed::sharding_name(level), " reduces only the optimizer's parameters: expected "
+                        "every trainable parameter in the optimizer, or the parameter frozen");
+      }
+      if (!zero_) {
+        zero_.emplace(optimizer, group_->rank(), group_->world_size(), units.unit_of,
+                      level == distributed::Sharding::Full ? distributed::ZeroOptimizerShard::PieceHome::OwnShard
+                                                           : distributed::ZeroOptimizerShard::PieceHome::Parameters);
+      }
+      units_.emplace(*zero_, *group_, level == distributed::Sharding::Full);
+    }
+    zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces
+  }
+
+  /// Levels 2 and 3 lay out the parameters once: the model must keep them across fits.
+  void check_model_unchanged() {
+    std::vector<std::pair<std::string, const void*>> now;
+    for (const auto& parameter : module_->named_parameters()) now.emplace_back(parameter.key(), parameter.value().unsafeGetTensorImpl());
+    if (sharded_model_.empty()) {
+      sharded_model_ = std::move(now);
+      return;
+    }
+    for (size_t i = 0; i < std::max(now.size(), sharded_model_.size()); ++i) {
+      const std::string was = i < sharded_model_.size() ? sharded_model_[i].first : "(none)";
+      const std::string is = i < now.size() ? now[i].first : "(none)";
+      TRAINLOOP_CHECK(i < now.size() && i < sharded_model_.size() && now[i] == sharded_model_[i], "the model's "
+                      "parameters changed since the last sharded fit: parameter ", i, " is '", is, "' (a new tensor or "
+                      "another name), was '", was, "'; expected the same parameters in every fit with sharding ",
+                      distributed::sharding_name(mode_.resolved_sharding()), " (or a new TrainLoop resuming a checkpoint)");
+    }
+  }
+
+  static bool is_in(const torch::optim::Optimizer& optimizer, const torch::Tensor& parameter) {
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (p.is_same(parameter)) return true;
+      }
+    }
+    return false;
+  }
+
+  /// Clips this rank's reduced chunks by the norm of the whole gradient: the square root of the
+  /// sum over ranks of each chunk's sum of squares (the padding is zero). The same coefficient as
+  /// torch::nn::utils::clip_grad_norm_, max_norm / (norm + 1e-6) when below 1; the norm is summed in
+  /// another order, so clipped steps agree with plain DDP to rounding, not bit for bit.
+  void clip_sharded_gradients(const std::vector<torch::Tensor>& pieces, double max_norm) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+    for (const auto& piece : pieces) squares += piece.grad().to(torch::kFloat64).pow(2).sum();
+    group_->all_reduce_sum(squares);
+    const double norm = std::sqrt(squares.item<double>());
+    const double coefficient = max_norm / (norm + 1e-6);
+    if (coefficient >= 1.0) return;
+    for (const auto& piece : pieces) piece.grad().mul_(coefficient);
+  }
+
   torch::Device rank_device() const {
     if (mode_.resolved_device_type() != torch::kCUDA) return torch::Device(torch::kCPU);
     const int local = env_->local_rank;
@@ -389,6 +522,8 @@ class DistributedDataParallelEngine {
   std::vector<char> reduced_flags_;        // which of parameters_ the reducer reduces
   std::vector<torch::Tensor> buffers_;     // listed once per fit, broadcast after every step
   std::optional<distributed::ZeroOptimizerShard> zero_;  // owners of the optimizer state, under ZeRO
+  std::optional<distributed::ShardedUnits> units_;       // levels 2 and 3, this fit's units
+  std::vector<std::pair<std::string, const void*>> sharded_model_;  // levels 2 and 3: the parameters laid out
 };
 
 }  // namespace detail

@@ -9,6 +9,7 @@
 #include <trainloop/loop/loader_for.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/optional_members.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/loop/batch_memory_format.hpp>
 #include <trainloop/model_contract.hpp>
@@ -28,6 +29,7 @@ EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyData
                           Criterion& criterion_, const TrainLoopOptions& options_) {
   TRAINLOOP_CHECK(dataset.has_value(), "evaluate() needs a dataset");
   TRAINLOOP_CHECK(dataset.size() > 0, "the evaluation dataset is empty; expected at least one sample");
+  unshard_parameters(engine);  // a sharded mode's parameters whole on every rank (a collective)
   const bool was_training = module_.is_training();
   module_.eval();
   MetricAccumulator sums(options_.metrics(), engine.device());
@@ -59,6 +61,7 @@ template <class Module, class Batch, ModeEngine Engine>
 torch::Tensor predict_dataset(Engine& engine, Module& module_, const data::AnyDataset<Batch>& dataset,
                             const TrainLoopOptions& options_) {
   TRAINLOOP_CHECK(dataset.has_value() && dataset.size() > 0, "predict() needs a non-empty dataset");
+  unshard_parameters(engine);
   const bool was_training = module_.is_training();
   module_.eval();
   const auto shard = engine.data_shard();

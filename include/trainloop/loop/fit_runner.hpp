@@ -153,6 +153,7 @@ class FitRunner {
     header.world_size = engine.world_size();
     header.batch_size = options_.batch_size();
     // A collective for a sharded mode (its ranks' shards); otherwise only the writer serializes.
+    unshard_parameters(engine);  // the model written whole
     torch::serialize::OutputArchive optimizer_state;
     save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
     write_checkpoint_agreed(path, writes, [&engine](bool flag) { return engine.any_rank(flag); },

@@ -25,6 +25,13 @@
 /// feature (accumulation, clipping, comm hooks, exact uneven batches) unchanged. The memory saved
 /// is (W-1)/W of the state.
 ///
+/// Levels 2 and 3 (DistributedDataParallel::sharding, distributed/zero/sharded_units.hpp) lay the
+/// parameters out by *unit* (a submodule, FSDP's wrapped module): each unit is a flat range of its
+/// own, cut in W equal chunks, so a unit's gradients can be reduce-scattered straight into the
+/// owners' pieces. There each piece's gradient is a slice of its unit's reduced chunk
+/// (unit_gradient), and at level 3 the pieces are views of this rank's own copy of its chunk
+/// (PieceHome::OwnShard, the only copy of those values between steps).
+///
 /// Checkpoints hold the whole state in libtorch's layout, one state per parameter (gather_state()
 /// joins the pieces on the writing rank), so a ZeRO checkpoint resumes in plain DDP, single, dp,
 /// or ZeRO with another world size; loading any checkpoint loads the whole state and
@@ -33,6 +40,7 @@
 #include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/detail/type_name.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/zero/piece_states.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/torch.h>
@@ -64,16 +72,23 @@ class ZeroOptimizerShard {
     }
     // A user's optimizer may compute per-tensor quantities (LAMB's and LARS's trust ratios use the
     // norm of the whole tensor): stepping a piece would change its result without a word.
-    if (!steps_per_element(optimizer)) {
+    if (!detail::steps_per_element(optimizer)) {
       throw ConfigurationError("trainloop: ZeRO is on with optimizer " + ::trainloop::detail::demangled(typeid(optimizer).name()) +
                                ", which trainloop cannot prove updates each element on its own (ZeRO steps pieces "
                                "of tensors); expected SGD, Adam, AdamW, Adagrad or RMSprop, or zero off");
     }
   }
 
+  /// Where a rank's pieces live: in the parameters (levels 1 and 2), or in a chunk of its own
+  /// per unit that the parameters are gathered from (level 3).
+  enum class PieceHome { Parameters, OwnShard };
+
   /// Lays out every parameter of `optimizer` (its param groups in order) and cuts this rank's range.
-  ZeroOptimizerShard(const torch::optim::Optimizer& optimizer, int rank, int world_size)
-      : rank_(rank), world_size_(world_size) {
+  /// `unit_of` (TensorImpl address to unit index) groups them in units, each cut separately;
+  /// empty: one unit, the whole flat space (level 1).
+  ZeroOptimizerShard(const torch::optim::Optimizer& optimizer, int rank, int world_size,
+                     const std::unordered_map<const void*, int>& unit_of = {}, PieceHome home = PieceHome::Parameters)
+      : rank_(rank), world_size_(world_size), home_(home) {
     check_optimizer(optimizer);
     std::unordered_map<const void*, size_t> distinct_index;
     for (const auto& group : optimizer.param_groups()) {
@@ -85,30 +100,89 @@ class ZeroOptimizerShard {
                           "ZeRO's flat shards need every parameter in one dtype on one device; parameter ",
                           distinct_.size(), " is ", parameter.scalar_type(), " on ", parameter.device(), ", the first ",
                           distinct_.front().scalar_type(), " on ", distinct_.front().device());
-          offsets_.push_back(total_);
-          total_ += parameter.numel();
           distinct_.push_back(parameter);
         }
         parameters_.push_back(parameter);
         distinct_of_.push_back(found->second);
       }
     }
-    chunk_ = (total_ + world_size_ - 1) / std::max(world_size_, 1);
-    const int64_t begin = rank_ * chunk_, end = std::min(total_, begin + chunk_);
-    piece_of_.assign(distinct_.size(), -1);  // a range is contiguous: at most one piece per tensor
-    for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t flat, int64_t length) {
-      piece_of_[d] = static_cast<int64_t>(pieces_.size());
-      pieces_.push_back(Piece{d, in_tensor, length, flat, flat_view(distinct_[d]).narrow(0, in_tensor, length)});
-    });
+    lay_out_units(unit_of);
+    piece_of_.assign(distinct_.size(), -1);  // a unit's range is contiguous: at most one piece per tensor
+    for (size_t u = 0; u < units_.size(); ++u) {
+      const auto [begin, end] = range_of(u, rank_);
+      if (home_ == PieceHome::OwnShard) own_shards_.push_back(distinct_.empty() ? torch::Tensor() :
+                                                             torch::zeros({units_[u].chunk}, distinct_.front().options()));
+      for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t flat, int64_t length) {
+        piece_of_[d] = static_cast<int64_t>(pieces_.size());
+        torch::Tensor view = home_ == PieceHome::OwnShard ? own_shards_[u].narrow(0, flat - begin, length)
+                                                          : detail::flat_view(distinct_[d]).narrow(0, in_tensor, length);
+        pieces_.push_back(Piece{d, u, in_tensor, length, flat, flat - begin, std::move(view)});
+      });
+    }
+    if (home_ == PieceHome::OwnShard) refresh_own_shards();
   }
 
-  /// Elements of the flat range rank `r` owns (its share of the optimizer state).
+  /// Elements of the flat space rank `r` owns (its share of the optimizer state).
   int64_t owned_elements(int r) const {
-    const int64_t begin = std::min(total_, static_cast<int64_t>(r) * chunk_);
-    return std::min(total_, begin + chunk_) - begin;
+    int64_t owned = 0;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      const auto [begin, end] = range_of(u, r);
+      owned += end - begin;
+    }
+    return owned;
   }
   /// How many pieces of tensors this rank owns (a tensor split at a range's end counts on both ranks).
   size_t piece_count() const { return pieces_.size(); }
+
+  // ---- the layout by unit, for levels 2 and 3 (distributed/zero/sharded_units.hpp) ----
+  /// Units in the layout (1 at level 1).
+  size_t unit_count() const { return units_.size(); }
+  /// Elements of unit `u` (its tensors end to end, without padding).
+  int64_t unit_length(size_t u) const { return units_[u].length; }
+  /// Elements of each rank's chunk of unit `u`: ceil(unit_length / W); the last chunks are padded.
+  int64_t unit_chunk(size_t u) const { return units_[u].chunk; }
+  /// The parameters of unit `u` (distinct tensors, in layout order) and where each starts in it.
+  std::vector<std::pair<torch::Tensor, int64_t>> unit_tensors(size_t u) const {
+    std::vector<std::pair<torch::Tensor, int64_t>> tensors;
+    for (size_t d : units_[u].members) tensors.emplace_back(distinct_[d], offsets_[d] - units_[u].begin);
+    return tensors;
+  }
+  /// Level 3: this rank's chunk of unit `u`, the values its pieces step (padding zero).
+  const torch::Tensor& own_shard(size_t u) const { return own_shards_.at(u); }
+  /// Level 3: copies this rank's chunk of every unit from the parameters' current values (after
+  /// they were whole on every rank: a loaded checkpoint, or gathered for evaluation).
+  void refresh_own_shards() {
+    torch::NoGradGuard no_grad;
+    for (const auto& piece : pieces_) {
+      own_shards_[piece.unit].narrow(0, piece.in_chunk, piece.length)
+          .copy_(detail::flat_view(distinct_[piece.distinct]).narrow(0, piece.in_tensor, piece.length));
+    }
+  }
+  /// Levels 2 and 3: the buffer rank's reduced chunk of unit `u`'s gradient lands in (zeros until
+  /// the first reduction).
+  torch::Tensor& unit_gradient(size_t u) {
+    if (unit_gradients_.empty()) {
+      for (const auto& unit : units_) unit_gradients_.push_back(torch::zeros({unit.chunk}, distinct_.front().options()));
+    }
+    return unit_gradients_[u];
+  }
+  /// Levels 2 and 3: points every piece's grad at its slice of its unit's reduced chunk and
+  /// returns the pieces (what fp16's unscale and clipping see).
+  const std::vector<torch::Tensor>& pieces_with_unit_gradients() {
+    piece_views_.clear();
+    for (auto& piece : pieces_) {
+      piece.view.mutable_grad() = unit_gradient(piece.unit).narrow(0, piece.in_chunk, piece.length);
+      piece_views_.push_back(piece.view);
+    }
+    return piece_views_;
+  }
+  /// Levels 2 and 3: steps this rank's pieces (their grads set by pieces_with_unit_gradients()).
+  void step_pieces(torch::optim::Optimizer& optimizer) {
+    check_same_parameters(optimizer);
+    torch::NoGradGuard no_grad;
+    PiecesAsGroups swapped(optimizer, *this);
+    optimizer.step();
+  }
 
   /// Whether `optimizer` holds the parameters the layout was made for, in the same order.
   bool same_parameters(const torch::optim::Optimizer& optimizer) const {
@@ -135,7 +209,7 @@ class ZeroOptimizerShard {
         continue;
       }
       torch::Tensor& flat = flat_grads[piece.distinct];
-      if (!flat.defined()) flat = flat_in_layout_of(grad, distinct_[piece.distinct]);
+      if (!flat.defined()) flat = detail::flat_in_layout_of(grad, distinct_[piece.distinct]);
       piece.view.mutable_grad() = flat.narrow(0, piece.in_tensor, piece.length);
     }
     {
@@ -156,7 +230,8 @@ class ZeroOptimizerShard {
       if (whole == state.end()) continue;
       if (piece_of_[d] >= 0) {
         const Piece& piece = pieces_[static_cast<size_t>(piece_of_[d])];
-        state[::trainloop::detail::optimizer_state_key(state, piece.view)] = slice_state(*whole->second, piece);
+        state[::trainloop::detail::optimizer_state_key(state, piece.view)] =
+            detail::slice_state(*whole->second, distinct_[d], piece.in_tensor, piece.length);
       }
       state.erase(::trainloop::detail::optimizer_state_key(state, distinct_[d]));
     }
@@ -201,7 +276,7 @@ class ZeroOptimizerShard {
       for (const auto& key : archive.keys()) {
         torch::serialize::InputArchive one;
         archive.read(key, one);
-        std::unique_ptr<torch::optim::OptimizerParamState> piece_state = new_param_state(optimizer);
+        std::unique_ptr<torch::optim::OptimizerParamState> piece_state = detail::new_param_state(optimizer);
         piece_state->serialize(one);
         by_flat[std::stoll(key)] = std::move(piece_state);
       }
@@ -212,7 +287,7 @@ class ZeroOptimizerShard {
         parts.push_back(it->second.get());
       }
       if (parts.empty()) continue;  // never stepped (no gradient yet): no state, as in plain DDP
-      state[::trainloop::detail::optimizer_state_key(state, distinct_[d])] = join_states(parts, distinct_[d]);
+      state[::trainloop::detail::optimizer_state_key(state, distinct_[d])] = detail::join_states(parts, distinct_[d]);
       gathered_.push_back(d);
     }
   }
@@ -227,10 +302,12 @@ class ZeroOptimizerShard {
   /// A contiguous part of one parameter in this rank's range.
   struct Piece {
     size_t distinct = 0;     ///< which parameter (distinct_ index)
+    size_t unit = 0;         ///< which unit it belongs to
     int64_t in_tensor = 0;   ///< first element, in the parameter's memory order
     int64_t length = 0;      ///< elements
     int64_t flat = 0;        ///< first element in the flat index space
-    torch::Tensor view;      ///< 1-D view of the parameter's storage: what the optimizer steps
+    int64_t in_chunk = 0;    ///< first element in this rank's chunk of its unit
+    torch::Tensor view;      ///< 1-D view of the parameter's storage (or of own_shard): what the optimizer steps
   };
 
   /// The optimizer's param groups holding this rank's pieces instead of the parameters while it
@@ -272,104 +349,62 @@ class ZeroOptimizerShard {
     }
   }
 
-  /// `tensor`'s elements as a 1-D view in memory order (its storage, without autograd).
-  static torch::Tensor flat_view(const torch::Tensor& tensor) {
-    TRAINLOOP_CHECK(tensor.is_non_overlapping_and_dense(), "ZeRO needs parameters whose elements are one dense "
-                    "block of memory; a parameter of sizes ", tensor.sizes(), " has strides ", tensor.strides());
-    return tensor.detach().as_strided({tensor.numel()}, {1}, tensor.storage_offset());
-  }
-
-  /// `tensor` (a gradient or a state of `parameter`) flat in the parameter's memory order: a view
-  /// when it has the parameter's strides, a copy in them otherwise.
-  static torch::Tensor flat_in_layout_of(const torch::Tensor& tensor, const torch::Tensor& parameter) {
-    if (tensor.strides() == parameter.strides() && tensor.is_non_overlapping_and_dense()) return flat_view(tensor);
-    return flat_view(torch::empty_like(parameter).copy_(tensor));
-  }
-
-  /// The state tensors of `state` that hold one value per element of their parameter.
-  static std::vector<torch::Tensor*> elementwise_fields(torch::optim::OptimizerParamState& state) {
-    namespace optim = torch::optim;
-    if (auto* adamw = dynamic_cast<optim::AdamWParamState*>(&state)) {
-      return {&adamw->exp_avg(), &adamw->exp_avg_sq(), &adamw->max_exp_avg_sq()};
+  /// Groups the distinct tensors in units (all in unit 0 when `unit_of` is empty), in unit order
+  /// and each unit's tensors in first-listed order, and places them in the flat space.
+  void lay_out_units(const std::unordered_map<const void*, int>& unit_of) {
+    int count = 1;
+    std::vector<int> unit_index(distinct_.size(), 0);
+    for (size_t d = 0; d < distinct_.size() && !unit_of.empty(); ++d) {
+      auto found = unit_of.find(distinct_[d].unsafeGetTensorImpl());
+      TRAINLOOP_CHECK(found != unit_of.end(), "parameter ", d, " of the optimizer (sizes ", distinct_[d].sizes(),
+                      ") is in no unit of the model; expected the optimizer to hold only the model's parameters");
+      unit_index[d] = found->second;
+      count = std::max(count, found->second + 1);
     }
-    if (auto* adam = dynamic_cast<optim::AdamParamState*>(&state)) {
-      return {&adam->exp_avg(), &adam->exp_avg_sq(), &adam->max_exp_avg_sq()};
-    }
-    if (auto* sgd = dynamic_cast<optim::SGDParamState*>(&state)) return {&sgd->momentum_buffer()};
-    if (auto* adagrad = dynamic_cast<optim::AdagradParamState*>(&state)) return {&adagrad->sum()};
-    if (auto* rmsprop = dynamic_cast<optim::RMSpropParamState*>(&state)) {
-      return {&rmsprop->square_avg(), &rmsprop->momentum_buffer(), &rmsprop->grad_avg()};
-    }
-    return {};
-  }
-
-  /// Whether `optimizer` is one whose update is per element (its state fields are known above).
-  static bool steps_per_element(const torch::optim::Optimizer& optimizer) {
-    namespace optim = torch::optim;
-    return dynamic_cast<const optim::SGD*>(&optimizer) || dynamic_cast<const optim::Adam*>(&optimizer) ||
-           dynamic_cast<const optim::AdamW*>(&optimizer) || dynamic_cast<const optim::Adagrad*>(&optimizer) ||
-           dynamic_cast<const optim::RMSprop*>(&optimizer);
-  }
-
-  /// The state of one piece, cut from its parameter's whole state (counters copied).
-  std::unique_ptr<torch::optim::OptimizerParamState> slice_state(const torch::optim::OptimizerParamState& whole,
-                                                                  const Piece& piece) const {
-    std::unique_ptr<torch::optim::OptimizerParamState> part = whole.clone();
-    const torch::Tensor& parameter = distinct_[piece.distinct];
-    for (torch::Tensor* field : elementwise_fields(*part)) {
-      if (field->defined()) {
-        *field = flat_in_layout_of(field->to(parameter.device()), parameter).narrow(0, piece.in_tensor, piece.length).clone();
+    units_.assign(static_cast<size_t>(count), Unit{});
+    offsets_.assign(distinct_.size(), 0);
+    for (size_t u = 0; u < units_.size(); ++u) {
+      units_[u].begin = total_;
+      for (size_t d = 0; d < distinct_.size(); ++d) {
+        if (unit_index[d] != static_cast<int>(u)) continue;
+        offsets_[d] = total_;
+        total_ += distinct_[d].numel();
+        units_[u].members.push_back(d);
       }
+      units_[u].length = total_ - units_[u].begin;
+      units_[u].chunk = (units_[u].length + world_size_ - 1) / std::max(world_size_, 1);
     }
-    return part;
   }
 
-  /// One parameter's whole state from its pieces' states, in flat order (counters from the first).
-  static std::unique_ptr<torch::optim::OptimizerParamState> join_states(
-      const std::vector<const torch::optim::OptimizerParamState*>& parts, const torch::Tensor& parameter) {
-    std::unique_ptr<torch::optim::OptimizerParamState> whole = parts.front()->clone();
-    std::vector<torch::Tensor*> fields = elementwise_fields(*whole);
-    for (size_t f = 0; f < fields.size(); ++f) {
-      if (!fields[f]->defined()) continue;
-      std::vector<torch::Tensor> flat;
-      for (const auto* part : parts) {
-        std::unique_ptr<torch::optim::OptimizerParamState> copy = part->clone();
-        flat.push_back(elementwise_fields(*copy)[f]->to(torch::kCPU).reshape({-1}));
-      }
-      torch::Tensor joined = torch::empty_like(parameter, torch::TensorOptions().device(torch::kCPU));
-      flat_view(joined).copy_(torch::cat(flat));
-      *fields[f] = joined;
-    }
-    return whole;
+  /// Rank `r`'s range of unit `u` in the flat space: [begin, end).
+  std::pair<int64_t, int64_t> range_of(size_t u, int r) const {
+    const Unit& unit = units_[u];
+    const int64_t begin = unit.begin + std::min(unit.length, static_cast<int64_t>(r) * unit.chunk);
+    return {begin, std::min(unit.begin + unit.length, begin + unit.chunk)};
   }
 
-  /// Every rank's range into every rank's parameters: each owner broadcasts its pieces, which are
+  /// Levels 1 and 2, after the step: every rank's range into every rank's parameters: each owner broadcasts its pieces, which are
   /// contiguous views of the parameters, so the values land in place (ProcessGroup::broadcast
   /// packs only the small ones into one buffer). Parameters that do not require grad are not sent
   /// (a frozen backbone). Measured against an all-gather of each rank's range through two staging
   /// buffers (4 Mi elements per round), 100 M-parameter MLP, Adam, 2 CPU ranks, pip torch 2.11:
   /// 0.957 s per step vs 0.754 s for the whole-tensor broadcasts of before; the copies in and out
   /// of the buffers were the difference (benchmarks/README.md, zero_memory).
+ public:
   void broadcast_pieces(ProcessGroup& group) {
     for (int r = 0; r < world_size_; ++r) {
       std::vector<torch::Tensor> views;
-      const int64_t begin = std::min(total_, static_cast<int64_t>(r) * chunk_);
-      for_each_overlap(begin, std::min(total_, begin + chunk_), [&](size_t d, int64_t in_tensor, int64_t, int64_t n) {
-        if (distinct_[d].requires_grad()) views.push_back(flat_view(distinct_[d]).narrow(0, in_tensor, n));
-      });
+      for (size_t u = 0; u < units_.size(); ++u) {
+        const auto [begin, end] = range_of(u, r);
+        for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t, int64_t n) {
+          if (distinct_[d].requires_grad()) views.push_back(detail::flat_view(distinct_[d]).narrow(0, in_tensor, n));
+        });
+      }
       if (!views.empty()) group.broadcast(views, r);
     }
   }
+ private:
 
-  /// A parameter state of `optimizer`'s type, for the root to deserialize another rank's into.
-  static std::unique_ptr<torch::optim::OptimizerParamState> new_param_state(const torch::optim::Optimizer& optimizer) {
-    namespace optim = torch::optim;
-    if (dynamic_cast<const optim::AdamW*>(&optimizer)) return std::make_unique<optim::AdamWParamState>();
-    if (dynamic_cast<const optim::Adam*>(&optimizer)) return std::make_unique<optim::AdamParamState>();
-    if (dynamic_cast<const optim::SGD*>(&optimizer)) return std::make_unique<optim::SGDParamState>();
-    if (dynamic_cast<const optim::Adagrad*>(&optimizer)) return std::make_unique<optim::AdagradParamState>();
-    return std::make_unique<optim::RMSpropParamState>();  // check_optimizer() admits no other
-  }
 
   /// The optimizer must still hold the parameters the layout was made for.
   void check_same_parameters(const torch::optim::Optimizer& optimizer) const {
@@ -384,7 +419,15 @@ class ZeroOptimizerShard {
   std::vector<torch::Tensor> distinct_;    // each tensor once, in first-listed order
   std::vector<int64_t> offsets_;           // distinct_[d] starts at offsets_[d] in the flat space
   int64_t total_ = 0;                      // elements of all distinct tensors
-  int64_t chunk_ = 0;                      // elements per rank's range: ceil(total_ / world_size_)
+  struct Unit {
+    int64_t begin = 0, length = 0, chunk = 0;  // flat start, elements, elements per rank: ceil(length / W)
+    std::vector<size_t> members;               // distinct indices, in layout order
+  };
+  std::vector<Unit> units_;                // the flat space, unit after unit
+  PieceHome home_ = PieceHome::Parameters;
+  std::vector<torch::Tensor> own_shards_;      // level 3: this rank's chunk of each unit
+  std::vector<torch::Tensor> unit_gradients_;  // levels 2 and 3: this rank's reduced chunk of each unit's gradient
+  std::vector<torch::Tensor> piece_views_;     // pieces_with_unit_gradients()' answer
   std::vector<Piece> pieces_;              // this rank's range, in flat order
   std::vector<int64_t> piece_of_;          // pieces_ index of distinct_[d]'s piece, -1 if none here
   std::vector<size_t> gathered_;           // distinct indices gather_state() added on the root
