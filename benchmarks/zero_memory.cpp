@@ -1,6 +1,7 @@
 // zero_memory: peak memory per rank of DDP with gradients copied into buckets, DDP with gradients
-// as bucket views (the default) and ZeRO-1 (gpu_mode::DistributedDataParallel::zero), for a
-// ~100 M-parameter MLP trained with Adam, 2 CPU ranks (Gloo).
+// as bucket views (the default) and the three sharding levels (gpu_mode::DistributedDataParallel::
+// sharding: optimizer = ZeRO-1, gradients = ZeRO-2, full = ZeRO-3, units the model's 7 layers), for
+// a ~100 M-parameter MLP trained with Adam, 2 CPU ranks (Gloo).
 //
 //   zero_memory --repetitions 2 --layers 6 --width 4096 --batch-size 8 --steps 4
 //
@@ -66,7 +67,7 @@ struct RecordMemory : tl::Callback {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"trainloop DDP (gradient copies, bucket views) vs ZeRO-1: peak memory per rank, ~100 M-parameter MLP, Adam"};
+  CLI::App app{"trainloop DDP (gradient copies, bucket views) vs ZeRO-1/2/3: peak memory per rank, ~100 M-parameter MLP, Adam"};
   int repetitions = 2, ranks = 2;
   int64_t layers = 6, width = 4096, batch_size = 8, steps = 4;
   std::string out = "/tmp/trainloop_zero_memory";
@@ -79,7 +80,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "directory for the ranks' memory records");
   std::string config_only = "all";
   app.add_option("--config", config_only, "one configuration only (a fresh launcher per run: what run_zero_memory.sh does)")
-      ->check(CLI::IsMember({"all", "ddp-copies", "ddp", "zero"}));
+      ->check(CLI::IsMember({"all", "ddp-copies", "ddp", "optimizer", "gradients", "full"}));
   CLI11_PARSE(app, argc, argv);
   try {
     std::filesystem::create_directories(out);
@@ -88,13 +89,15 @@ int main(int argc, char** argv) {
     auto y = torch::randint(0, 10, {samples}, at::detail::createCPUGenerator(2));
     tl::data::TensorDataset train(x, y, 10);
     // ddp-copies: gradients copied into and out of the buckets (PyTorch DDP's default);
-    // ddp: gradients as bucket views (trainloop's default); zero: views and ZeRO-1.
-    std::vector<std::string> configs{"ddp-copies", "ddp", "zero"};
+    // ddp: gradients as bucket views (trainloop's default); optimizer, gradients, full: the
+    // sharding levels (ZeRO-1, -2, -3).
+    std::vector<std::string> configs{"ddp-copies", "ddp", "optimizer", "gradients", "full"};
     if (config_only != "all") configs = {config_only};
     for (int rep = 0; rep < repetitions; ++rep) {
       for (size_t k = 0; k < configs.size(); ++k) {
         const std::string& config = configs[(static_cast<size_t>(rep) + k) % configs.size()];  // rotated per repetition
-        const bool zero = config == "zero";
+        const tl::distributed::Sharding sharding =
+            config.rfind("ddp", 0) == 0 ? tl::distributed::Sharding::None : tl::distributed::sharding_named(config);
         const std::string label = config + "_rep" + std::to_string(rep + 1);
         torch::manual_seed(0);
         DeepLinear net(layers, width, 10);
@@ -104,7 +107,7 @@ int main(int argc, char** argv) {
         auto mode = tl::gpu_mode::DistributedDataParallel()
                         .procs_per_node(ranks)
                         .device_type(torch::kCPU)
-                        .zero(zero)
+                        .sharding(sharding)
                         .gradient_as_bucket_view(config != "ddp-copies");
         tl::TrainLoop<DeepLinear, tl::gpu_mode::DistributedDataParallel> loop(
             net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(batch_size), mode);

@@ -58,7 +58,12 @@ int main(int argc, char** argv) {
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");
   std::string comm_hook = "none";
   bool zero = false;
-  app.add_flag("--zero", zero, "ddp: ZeRO-1, each rank keeps the optimizer state of about 1/procs of the parameters");
+  std::string sharding = "none";
+  app.add_flag("--zero", zero, "ddp: ZeRO-1, each rank keeps the optimizer state of about 1/procs of the parameters "
+               "(the same as --sharding optimizer)");
+  app.add_option("--sharding", sharding, "ddp: what each rank keeps only 1/procs of: none, optimizer (ZeRO-1), "
+                 "gradients (ZeRO-2) or full (ZeRO-3, the parameters too, gathered per layer as it runs)")
+      ->check(CLI::IsMember({"none", "optimizer", "gradients", "full"}));
   app.add_option("--comm-hook", comm_hook, "ddp: how gradients travel between ranks: none (fp32), fp16 or bf16 (half the bytes), powersgd[:RANK] (low-rank factors)");
   app.add_option("--checkpoint-dir", checkpoint_dir,
                  "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
@@ -87,7 +92,7 @@ int main(int argc, char** argv) {
   try {
     // The mode is chosen at run time; every mode then runs the same compiled loop.
     trainloop::gpu_mode::Any mode =
-        trainloop::mode_from_flags(trainloop::ModeFlags{gpu_mode, device, procs, replicas, comm_hook, zero});
+        trainloop::mode_from_flags(trainloop::ModeFlags{gpu_mode, device, procs, replicas, comm_hook, zero, sharding});
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;

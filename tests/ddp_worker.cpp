@@ -5,7 +5,8 @@
 //
 // Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
 // exit0, checkpoint_error, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
-// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, ckpt (checkpoints, resume
+// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, sharded_model_changes
+// (joined ranks), ckpt (checkpoints, resume
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 or
 // TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>) and TL_TEST_CLIP_PERCENT=N for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook).
@@ -337,6 +338,15 @@ int main(int argc, char** argv) {
       if (tl::is_main_process()) {
         std::ofstream(out_dir + "/lr_find.txt") << found.learning_rates.size() << '\n' << found.valley << '\n' << moved << '\n';
       }
+      return 0;
+    }
+    if (scenario == "sharded_model_changes") {  // test_distributed, in joined ranks: a sharded loop keeps its layout
+      mode.sharding(tl::distributed::Sharding::Gradients);
+      tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> sharded(net, train, {}, trained_optimizer,
+                                                                        torch::nn::CrossEntropyLoss(), options, mode);
+      sharded.fit(1);
+      net->fc3->register_parameter("weight", torch::randn({3, 16}));  // a new tensor under the old name
+      sharded.fit(1);
       return 0;
     }
     auto history = loop.fit(epochs, callbacks, resume);

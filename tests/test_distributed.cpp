@@ -5,6 +5,8 @@
 #include "small_tmpfs.hpp"
 #include "test_support.hpp"
 
+#include <trainloop/distributed/launch/free_port.hpp>
+
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -883,6 +885,39 @@ BOOST_AUTO_TEST_CASE(sharding_units_are_the_named_submodules_and_bad_names_and_l
   BOOST_TEST(std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).resolved_sharding() ==
              tl::distributed::Sharding::Full);
   BOOST_TEST(tl::gpu_mode::DistributedDataParallel().zero(true).resolved_sharding() == tl::distributed::Sharding::Optimizer);
+  BOOST_TEST(error_of([] {
+               tl::gpu_mode::DistributedDataParallel()
+                   .sharding(tl::distributed::Sharding::Gradients)
+                   .comm_hook(tl::distributed::comm_hook_named("fp16"))
+                   .validate();
+             }) == "trainloop: a comm hook is set with sharding gradients, whose gradients are reduce-scattered per unit, "
+                   "not all-reduced in buckets; expected no comm hook, or sharding none or optimizer");
+}
+
+// Under torchrun a loop's ranks live on after a fit, holding the layout of the sharded parameters:
+// a model whose parameters changed since is refused by name on every rank.
+BOOST_AUTO_TEST_CASE(a_sharded_model_whose_parameters_change_between_fits_is_refused_naming_the_parameter) {
+  const fs::path dir = fresh_dir("sharded_model_changes");
+  const int port = tl::distributed::find_free_port();
+  std::vector<FILE*> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string command = "TMPDIR=" + dir.string() + " RANK=" + std::to_string(rank) + " LOCAL_RANK=" +
+                                std::to_string(rank) + " WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                                std::to_string(port) + " " + DDP_WORKER_PATH + " sharded_model_changes 2 " + dir.string() +
+                                " 2>&1";
+    ranks.push_back(::popen(command.c_str(), "r"));
+  }
+  for (FILE* pipe : ranks) {
+    std::string output;
+    std::array<char, 4096> buffer{};
+    while (size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
+    const int status = ::pclose(pipe);
+    BOOST_TEST((WIFEXITED(status) && WEXITSTATUS(status) == 3), output);
+    BOOST_TEST(output.find("the model's parameters changed since the last sharded fit: parameter 4 is 'fc3.weight' (a "
+                           "new tensor or another name), was 'fc3.weight'") != std::string::npos, output);
+  }
+  BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(dir);
 }
 
 namespace {

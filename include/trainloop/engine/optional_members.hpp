@@ -47,8 +47,10 @@
 /// layout (for example one sub-archive per rank, or the shards gathered into libtorch's layout so
 /// that a run with another world size resumes from it). An archive in libtorch's layout is checked
 /// against the optimizer before the engine's loader runs; one in the engine's own layout is the
-/// loader's to check. Checked by tests/test_user_mode.cpp; DDP's ZeRO
-/// (distributed/zero/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members.
+/// loader's to check. Checked by tests/test_user_mode.cpp; DDP's ZeRO-1
+/// (distributed/zero/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members;
+/// its levels 2 and 3 (distributed/zero/sharded_units.hpp) own the whole optimizer_step (the
+/// gradients are chunks) and level 3 defines unshard_parameters.
 
 #include <trainloop/optim/optimizer_state.hpp>
 

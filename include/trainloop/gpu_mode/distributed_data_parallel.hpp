@@ -154,6 +154,9 @@ struct DistributedDataParallel {
     if (!gpus_.empty() && procs_per_node_ > 0)
       TRAINLOOP_CHECK(static_cast<int>(gpus_.size()) == procs_per_node_, "gpus lists ", gpus_.size(),
                       " devices but procs_per_node is ", procs_per_node_, "; expected one GPU per process");
+    TRAINLOOP_CHECK(!comm_hook_ || resolved_sharding() < distributed::Sharding::Gradients, "a comm hook is set with "
+                    "sharding ", distributed::sharding_name(resolved_sharding()), ", whose gradients are reduce-scattered "
+                    "per unit, not all-reduced in buckets; expected no comm hook, or sharding none or optimizer");
     TRAINLOOP_CHECK(resolved_procs_per_node() >= 1, "no CUDA device is visible, so no rank can be started; "
                                                     "expected device_type(torch::kCPU) or a visible GPU");
   }
