@@ -175,8 +175,16 @@ int main(int argc, char** argv) {
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     // TL_TEST_OPTIMIZER=adam: the main loop trains with Adam instead (ZeRO's tests: two moments per parameter).
     torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
-    const bool use_adam = std::getenv("TL_TEST_OPTIMIZER") && std::string(std::getenv("TL_TEST_OPTIMIZER")) == "adam";
-    torch::optim::Optimizer& trained_optimizer = use_adam ? static_cast<torch::optim::Optimizer&>(adam) : optimizer;
+    // TL_TEST_OPTIMIZER=adamw: with weight decay, which moves a parameter stepped with a zero gradient.
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+    const std::string optimizer_name = std::getenv("TL_TEST_OPTIMIZER") ? std::getenv("TL_TEST_OPTIMIZER") : "sgd";
+    torch::optim::Optimizer& trained_optimizer = optimizer_name == "adam"    ? static_cast<torch::optim::Optimizer&>(adam)
+                                                 : optimizer_name == "adamw" ? static_cast<torch::optim::Optimizer&>(adamw)
+                                                                             : optimizer;
+    // TL_TEST_FREEZE_FIRST=1: fc1 frozen (still in the optimizer), as a fine-tuned backbone.
+    if (env_number("TL_TEST_FREEZE_FIRST", 0) != 0) {
+      for (auto& p : net->fc1->parameters()) p.requires_grad_(false);
+    }
     auto mode = tl::gpu_mode::DistributedDataParallel()
                     .procs_per_node(world)
                     .device_type(torch::kCPU)
@@ -345,7 +353,7 @@ int main(int argc, char** argv) {
       tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> sharded(net, train, {}, trained_optimizer,
                                                                         torch::nn::CrossEntropyLoss(), options, mode);
       sharded.fit(1);
-      net->fc3->register_parameter("weight", torch::randn({3, 16}));  // a new tensor under the old name
+      net->fc3 = net->replace_module("fc3", torch::nn::Linear(16, 3));  // new tensors under the old names
       sharded.fit(1);
       return 0;
     }

@@ -983,6 +983,33 @@ BOOST_AUTO_TEST_CASE(every_sharding_level_with_adam_equals_plain_ddp_and_each_ra
   }
 }
 
+// A frozen layer still in the optimizer (a fine-tuned backbone) gets no gradient at any level, so
+// AdamW's weight decay never touches it, as in plain DDP.
+BOOST_AUTO_TEST_CASE(a_frozen_layer_in_the_optimizer_stays_as_it_was_at_every_sharding_level) {
+  auto dir = fresh_dir("frozen_sharded");
+  const std::string common = "TL_TEST_EPOCHS=2 TL_TEST_OPTIMIZER=adamw TL_TEST_FREEZE_FIRST=1 ";
+  auto ddp = run_worker("ckpt", 2, 0, common + "TL_TEST_CKPT_DIR=" + (dir / "ddp").string(), "_frozen_ddp");
+  BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
+  torch::manual_seed(5);
+  Mlp initial;  // the worker's weights before training
+  const torch::Tensor first_layer = flat_params(initial->fc1->parameters());
+  const torch::Tensor ddp_params = load_params((ddp.dir / "params.pt").string());
+  BOOST_TEST((ddp_params.narrow(0, 0, first_layer.numel()) - first_layer).abs().max().item<double>() == 0.0);
+  for (const LevelCase& level : kLevels) {
+    BOOST_TEST_CONTEXT("sharding " << level.name) {
+      auto run = run_worker("ckpt", 2, 0, common + level.settings + "TL_TEST_CKPT_DIR=" + (dir / level.name).string(),
+                            std::string("_frozen_") + level.name);
+      BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+      const torch::Tensor params = load_params((run.dir / "params.pt").string());
+      BOOST_TEST((params.narrow(0, 0, first_layer.numel()) - first_layer).abs().max().item<double>() == 0.0);
+      BOOST_TEST((params - ddp_params).abs().max().item<double>() <= 1e-6);
+      fs::remove_all(run.dir);
+    }
+  }
+  fs::remove_all(ddp.dir);
+  fs::remove_all(dir);
+}
+
 // Each sharding level: killed and restarted, bit for bit; its checkpoints resume in plain DDP, in
 // another world size and in one process, and plain DDP's resume in it.
 BOOST_AUTO_TEST_CASE(every_sharding_level_restarts_bit_for_bit_and_its_checkpoints_resume_in_any_mode_and_world_size) {

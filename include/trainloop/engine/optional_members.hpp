@@ -28,8 +28,10 @@
 /// | load_optimizer_state(optimizer, archive)          | resuming, on every rank; throws when the state does   |
 /// |                                                   | not fit (the loop then puts the previous state back). |
 /// |                                                   | Default: checked and loaded in libtorch's format      |
-/// | unshard_parameters()                              | before evaluation, prediction and writing a           |
-/// |                                                   | checkpoint, on every rank (a collective): a mode that |
+/// | unshard_parameters()                              | before evaluation, prediction, writing a checkpoint,  |
+/// |                                                   | on_epoch_end and on_fit_end, on every rank (a         |
+/// |                                                   | collective; callbacks may read the weights): a mode   |
+/// |                                                   | that
 /// |                                                   | keeps a share of the parameters between steps makes   |
 /// |                                                   | them whole (DDP's sharding full). Default: nothing    |
 /// | run_fit(actions, resume)                          | wraps a whole fit (DDP launches ranks or ends a       |

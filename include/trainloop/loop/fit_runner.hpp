@@ -109,6 +109,7 @@ class FitRunner {
       train_epochs(engine, run);
       progress_.fit_finished = true;
       run.visible = progress_.visible_history();
+      unshard_parameters(engine);  // callbacks may read the weights (EarlyStopping restores its best)
       for (auto& cb : run.active) cb->on_fit_end(run.state, run.visible);
     } catch (...) {
       error = std::current_exception();
@@ -313,6 +314,7 @@ class FitRunner {
       for (auto& cb : run.active) cb->on_validation_end(state, *record.validation);
     }
     run.visible = progress_.visible_history();
+    unshard_parameters(engine);  // every rank, after the epoch: callbacks may read or keep the weights
     for (auto& cb : run.active) cb->on_epoch_end(state, progress_.history.epochs.back());
     TRAINLOOP_CHECK(!options_.stop_on_non_finite_loss() || std::isfinite(record.train_loss),
                     "the training loss of epoch ", record.epoch, " is ", record.train_loss,

@@ -30,6 +30,7 @@
 
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trainloop {
@@ -107,26 +108,34 @@ inline torch::Tensor input_in_memory_format(const torch::Tensor& input, bool cha
 }
 
 /// @brief While it lives, the 4-d tensors of a channels-last module are contiguous (for writing
-/// a file any program reads in libtorch's default layout); then channels-last again.
+/// a file any program reads in libtorch's default layout); then their own memory again: each
+/// tensor gets back the very storage it had, so what aliases it (DDP's sharded pieces and units,
+/// gradient buckets) still does.
 class ContiguousScope {
  public:
-  /// @param module the model, converted to contiguous now and back to channels-last at the end of the scope
+  /// @param module the model, converted to contiguous now and given back its own tensors at the end of the scope
   /// @param channels_last whether the model trains in channels-last (false: the scope does nothing)
-  ContiguousScope(torch::nn::Module& module, bool channels_last) : module_(channels_last ? &module : nullptr) {
-    if (module_ != nullptr) to_memory_format(*module_, false);
+  ContiguousScope(torch::nn::Module& module, bool channels_last) {
+    if (!channels_last) return;
+    torch::NoGradGuard no_grad;
+    auto convert = [this](torch::Tensor tensor) {
+      if (!tensor.defined() || tensor.dim() != 4 || tensor.suggest_memory_format() == torch::MemoryFormat::Contiguous) return;
+      torch::Tensor own = tensor.data();  // shares the storage: set_data gives it back as it was
+      tensor.set_data(own.contiguous());
+      converted_.emplace_back(std::move(tensor), std::move(own));
+    };
+    for (auto& parameter : module.parameters()) convert(parameter);
+    for (auto& buffer : module.buffers()) convert(buffer);
   }
   ContiguousScope(const ContiguousScope&) = delete;
   ContiguousScope& operator=(const ContiguousScope&) = delete;
   ~ContiguousScope() {
-    if (module_ == nullptr) return;
-    try {
-      to_memory_format(*module_, true);
-    } catch (...) {  // out of memory: the model stays contiguous, which is slower but correct
-    }
+    torch::NoGradGuard no_grad;
+    for (auto& [tensor, own] : converted_) tensor.set_data(own);  // no copy: nothing can fail
   }
 
  private:
-  torch::nn::Module* module_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> converted_;  // each tensor and its own memory
 };
 
 }  // namespace nn

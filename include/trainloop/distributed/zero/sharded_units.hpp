@@ -29,8 +29,9 @@
 /// operators' inputs (RecordFunction::inputs()), which libtorch's headers assert on in a build
 /// without NDEBUG (the library itself is built with it): level 3 requires an NDEBUG build.
 ///
-/// Every rank must run the same operators on the same units in the same order (the same model,
-/// no data-dependent choice of units): the gathers are collectives.
+/// Every rank must run the same operators on the same parameters in the same order (the same
+/// model, no per-rank choice of layers or experts): the gathers, and the reductions the gradient
+/// hooks start between them, are collectives.
 
 #include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
@@ -44,6 +45,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -124,7 +126,7 @@ struct UnitGradientState {
   }
   void reduce_next() {
     const size_t unit = order[next++];
-    if (!reduced[unit]) reduce(unit);
+    if (!reduced[unit] && expected[unit] > 0) reduce(unit);  // a unit all frozen has nothing to reduce
     reduced[unit] = 1;
   }
 };
@@ -164,6 +166,7 @@ class ShardedUnits {
       TRAINLOOP_CHECK(watching().compare_exchange_strong(expected, this), "two fits with full sharding at once in one "
                       "process; expected one at a time");
       callback_ = at::addGlobalCallback(at::RecordFunctionCallback(&ShardedUnits::on_operator).needsInputs(true));
+      at::disableCallback(callback_);  // on only while a micro-batch trains: every operator boxes its inputs for it
     }
     attach_hooks();
   }
@@ -192,12 +195,26 @@ class ShardedUnits {
     whole_ = false;
     for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
     observing_.store(true);
+    at::reenableCallback(callback_);
   }
   /// After a micro-batch's backward (also when it threw): level 3 frees every unit.
   void end_micro_batch() noexcept {
     if (!parameters_sharded_) return;
-    observing_.store(false);
+    if (observing_.exchange(false)) at::disableCallback(callback_);
     std::lock_guard<std::mutex> lock(units_mutex_);
+    for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
+  }
+  /// After forward and backward: a gather that failed inside the observer (libtorch's
+  /// RecordFunction swallows a callback's exceptions) is thrown here, with its type.
+  void rethrow_gather_error() {
+    if (gather_error_) std::rethrow_exception(std::exchange(gather_error_, nullptr));
+  }
+  /// Level 3, after the optimizer stepped this rank's chunks: whatever was gathered before the
+  /// step (a callback that evaluated) is stale, so every unit is freed and gathered anew.
+  void after_step() noexcept {
+    if (!parameters_sharded_) return;
+    std::lock_guard<std::mutex> lock(units_mutex_);
+    whole_ = false;
     for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
   }
   /// Before the optimizer step: reduces the units backward did not complete, in the fixed order
@@ -205,6 +222,7 @@ class ShardedUnits {
   void finalize() {
     std::lock_guard<std::mutex> lock(state_->mutex);
     while (state_->next < state_->order.size()) state_->reduce_next();
+    state_->synchronize = false;  // a backward outside the loop (a callback's) reduces nothing
     state_->next = 0;
     std::fill(state_->arrived.begin(), state_->arrived.end(), 0);
     std::fill(state_->reduced.begin(), state_->reduced.end(), 0);
@@ -234,6 +252,8 @@ class ShardedUnits {
         if (gathered_[u]) continue;
         allocate_unit(u);
         full_[u].fill_(std::numeric_limits<double>::quiet_NaN());
+        const int64_t chunk = shard_.unit_chunk(u);  // this rank's own chunk it still has
+        full_[u].narrow(0, group_.rank() * chunk, chunk).copy_(shard_.own_shard(u));
         lost = true;
       }
     }
@@ -246,8 +266,8 @@ class ShardedUnits {
     }
     full_.clear();
     if (lost) {
-      std::cerr << "trainloop: a fit with full sharding ended by an exception; units this rank did not hold whole "
-                   "are NaN in its model (load a checkpoint to continue)\n";
+      std::cerr << "trainloop: a fit with full sharding ended by an exception; of the units this rank did not hold "
+                   "whole, only its own chunk is in its model, the rest NaN (load a checkpoint to continue)\n";
     }
   }
 
@@ -286,12 +306,37 @@ class ShardedUnits {
     for (const c10::IValue& input : function.inputs()) {
       if (input.isTensor()) {
         look(input.toTensor());
-      } else if (input.isTensorList()) {
-        for (const at::Tensor& tensor : input.toTensorList().vec()) look(tensor);
+      } else if (input.isList()) {  // Tensor[] and Tensor?[]
+        for (const c10::IValue& element : input.toListRef()) {
+          if (element.isTensor()) look(element.toTensor());
+        }
       }
     }
-    if (!touched.empty()) self->use_units(touched);
+    if (touched.empty()) return nullptr;
+    try {
+      self->use_units(touched);
+    } catch (...) {
+      self->fail_gathers(std::current_exception());
+    }
     return nullptr;
+  }
+
+  /// A gather failed inside the observer (out of memory, a peer gone): every unit gets memory
+  /// (NaN where it holds no values), so the operators about to run read no freed buffer; the
+  /// observer stops, and the error is thrown after backward (rethrow_gather_error).
+  void fail_gathers(std::exception_ptr error) noexcept {
+    observing_.store(false);
+    std::lock_guard<std::mutex> lock(units_mutex_);
+    if (!gather_error_) gather_error_ = std::move(error);
+    for (size_t u = 0; u < full_.size(); ++u) {
+      if (gathered_[u]) continue;
+      try {
+        allocate_unit(u);
+        full_[u].fill_(std::numeric_limits<double>::quiet_NaN());
+        gathered_[u] = 1;
+      } catch (...) {  // no memory even for that: the operator fails on its own
+      }
+    }
   }
 
   /// Makes exactly the units `touched` (and those already whole that it reads) whole, in unit order.
@@ -363,7 +408,12 @@ class ShardedUnits {
     for (auto& [parameter, offset] : tensors) {
       const torch::Tensor& grad = parameter.grad();
       if (!grad.defined()) continue;  // unused or frozen: zeros, as the gradient reducer sends
-      input.narrow(0, offset, parameter.numel()).copy_(::trainloop::distributed::detail::flat_in_layout_of(grad, parameter));
+      // In the parameter's memory order, read from its strides only (empty_like(parameter) would be
+      // an operator on a freed unit: a gather inside the hook).
+      torch::Tensor in_layout = grad.strides() == parameter.strides() && grad.is_non_overlapping_and_dense()
+                                    ? grad
+                                    : torch::empty_strided(parameter.sizes(), parameter.strides(), grad.options()).copy_(grad);
+      input.narrow(0, offset, parameter.numel()).copy_(::trainloop::distributed::detail::flat_view(in_layout));
     }
     input.mul_(1.0 / group_.world_size());  // the average, scaled before the sum as the gradient reducer does
     group_.reduce_scatter_sum(input, chunk);
@@ -427,6 +477,7 @@ class ShardedUnits {
   std::atomic<bool> observing_{false};  // a micro-batch trains: the observer gathers
   std::atomic<bool> busy_{false};       // a gather is under way: operators seen now are its own
   at::CallbackHandle callback_ = 0;
+  std::exception_ptr gather_error_;     // a gather the observer could not do, thrown after backward
 };
 
 }  // namespace trainloop::distributed

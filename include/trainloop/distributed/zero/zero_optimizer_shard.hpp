@@ -166,12 +166,15 @@ class ZeroOptimizerShard {
     }
     return unit_gradients_[u];
   }
-  /// Levels 2 and 3: points every piece's grad at its slice of its unit's reduced chunk and
-  /// returns the pieces (what fp16's unscale and clipping see).
+  /// Levels 2 and 3: points every piece's grad at its slice of its unit's reduced chunk (none for
+  /// a frozen parameter) and returns the pieces (what fp16's unscale and clipping see).
   const std::vector<torch::Tensor>& pieces_with_unit_gradients() {
     piece_views_.clear();
     for (auto& piece : pieces_) {
-      piece.view.mutable_grad() = unit_gradient(piece.unit).narrow(0, piece.in_chunk, piece.length);
+      // A frozen parameter has no gradient (as in plain DDP), so the optimizer leaves it alone.
+      piece.view.mutable_grad() = distinct_[piece.distinct].requires_grad()
+                                      ? unit_gradient(piece.unit).narrow(0, piece.in_chunk, piece.length)
+                                      : torch::Tensor();
       piece_views_.push_back(piece.view);
     }
     return piece_views_;
