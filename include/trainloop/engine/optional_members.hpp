@@ -31,9 +31,9 @@
 /// | unshard_parameters()                              | before evaluation, prediction, writing a checkpoint,  |
 /// |                                                   | on_epoch_end and on_fit_end, on every rank (a         |
 /// |                                                   | collective; callbacks may read the weights): a mode   |
-/// |                                                   | that
-/// |                                                   | keeps a share of the parameters between steps makes   |
-/// |                                                   | them whole (DDP's sharding full). Default: nothing    |
+/// |                                                   | that keeps a share of the parameters between steps    |
+/// |                                                   | makes them whole (DDP's sharding full). Default:      |
+/// |                                                   | nothing                                               |
 /// | run_fit(actions, resume)                          | wraps a whole fit (DDP launches ranks or ends a       |
 /// |                                                   | spawned one). Default: actions.train(resume)          |
 /// | cannot_train (static text)                        | what the mode says about a model or batch it cannot   |
