@@ -49,16 +49,20 @@ double peak_resident_mib() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // KiB on Linux
 }
 
-/// In every rank: the resident set when training begins and the peak at its end, into
-/// `<dir>/<label>_rank<r>.txt`.
+/// In every rank: the resident set when training begins, the peak over the training steps (read
+/// at the last step's end) and the peak at the fit's end, into `<dir>/<label>_rank<r>.txt`. The two
+/// peaks differ where the epoch's end holds more than a step: full sharding gathers every unit
+/// whole for on_epoch_end and on_fit_end (callbacks may read the weights), as for evaluation.
 struct RecordMemory : tl::Callback {
   RecordMemory(std::filesystem::path dir, std::string label) : dir(std::move(dir)), label(std::move(label)) {}
   bool main_process_only() const override { return false; }
   void on_fit_begin(tl::TrainState&) override { at_begin = resident_mib(); }
+  void on_step_end(tl::TrainState&) override { steps_peak = peak_resident_mib(); }
   void on_fit_end(tl::TrainState& state, const tl::History&) override {
     std::ofstream(dir / (label + "_rank" + std::to_string(state.rank) + ".txt"))
-        << at_begin << ' ' << peak_resident_mib() << '\n';
+        << at_begin << ' ' << steps_peak << ' ' << peak_resident_mib() << '\n';
   }
+  double steps_peak = 0.0;
   std::filesystem::path dir;
   std::string label;
   double at_begin = 0.0;
@@ -119,10 +123,10 @@ int main(int argc, char** argv) {
                     static_cast<long long>(last.optimizer_state_bytes), last.seconds / static_cast<double>(last.steps));
         for (int r = 0; r < ranks; ++r) {
           std::ifstream in(std::filesystem::path(out) / (label + "_rank" + std::to_string(r) + ".txt"));
-          double at_begin = 0.0, peak = 0.0;
-          in >> at_begin >> peak;
-          std::printf("  rank %d: resident at fit begin %.0f MiB, peak %.0f MiB (peak - begin %.0f MiB)\n", r, at_begin,
-                      peak, peak - at_begin);
+          double at_begin = 0.0, steps_peak = 0.0, peak = 0.0;
+          in >> at_begin >> steps_peak >> peak;
+          std::printf("  rank %d: resident at fit begin %.0f MiB, peak over the steps %.0f MiB, peak at fit end %.0f MiB\n",
+                      r, at_begin, steps_peak, peak);
         }
         std::fflush(stdout);
       }

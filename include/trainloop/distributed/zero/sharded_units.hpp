@@ -398,8 +398,8 @@ class ShardedUnits {
     gathered_[u] = 0;
   }
 
-  /// Reduce-scatters unit `u`'s gradients into this rank's chunk (ZeroOptimizerShard::unit_gradient)
-  /// and releases the whole local ones. Called with the gradient state's mutex held.
+  /// Reduce-scatters unit `u`'s gradients into this rank's chunk (ZeroOptimizerShard::unit_gradient),
+  /// releasing the whole local ones as they are copied. Called with the gradient state's mutex held.
   void reduce_unit(size_t u) {
     torch::NoGradGuard no_grad;
     auto tensors = shard_.unit_tensors(u);
@@ -414,12 +414,12 @@ class ShardedUnits {
                                     ? grad
                                     : torch::empty_strided(parameter.sizes(), parameter.strides(), grad.options()).copy_(grad);
       input.narrow(0, offset, parameter.numel()).copy_(::trainloop::distributed::detail::flat_view(in_layout));
+      // Released as soon as copied: the collective then runs beside one copy of the unit's
+      // gradient, not two (64 MiB less at the peak of the 100 M MLP's 64 MiB units).
+      parameter.mutable_grad().reset();
     }
     input.mul_(1.0 / group_.world_size());  // the average, scaled before the sum as the gradient reducer does
     group_.reduce_scatter_sum(input, chunk);
-    for (auto& [parameter, offset] : tensors) {
-      if (parameter.grad().defined()) parameter.mutable_grad().reset();
-    }
   }
 
   /// The parameters that require grad now, as flags (the hooks follow freezing and unfreezing).
