@@ -9,7 +9,8 @@
 // (joined ranks), ckpt (checkpoints, resume
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 or
-// TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>) and TL_TEST_CLIP_PERCENT=N for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook).
+// TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>), TL_TEST_CLIP_PERCENT=N and
+// TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -230,6 +231,7 @@ int main(int argc, char** argv) {
       if (const char* units = std::getenv("TL_TEST_SHARDING_UNITS")) mode.sharding_units({units});
       if (const char* hook = std::getenv("TL_TEST_COMM_HOOK")) mode.comm_hook(tl::distributed::comm_hook_named(hook));
       if (const int64_t clip = env_number("TL_TEST_CLIP_PERCENT", 0)) options.clip_grad_norm(static_cast<double>(clip) / 100.0);
+      options.grad_accumulation_steps(env_number("TL_TEST_ACCUMULATION", 1));
     }
     if (scenario == "uneven") {  // test_distributed: exact uneven batches (ddp_test_model.hpp's uneven_reference)
       train_size = kUnevenSamples;

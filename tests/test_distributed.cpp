@@ -987,22 +987,28 @@ BOOST_AUTO_TEST_CASE(every_sharding_level_with_adam_equals_plain_ddp_and_each_ra
 // two numbers the all-reduce adds, so every level is plain DDP bit for bit. (On 3 ranks the
 // reduce-scatter's sum order differs: 6e-8 after 20 steps, checked above with clipping.)
 BOOST_AUTO_TEST_CASE(on_two_ranks_without_clipping_every_sharding_level_is_plain_ddp_bit_for_bit) {
-  auto dir = fresh_dir("zero_bit_for_bit");
-  const std::string common = "TL_TEST_EPOCHS=4 TL_TEST_OPTIMIZER=adam ";
-  auto ddp = run_worker("ckpt", 2, 0, common + "TL_TEST_CKPT_DIR=" + (dir / "ddp").string(), "_exact_ddp");
-  BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
-  const torch::Tensor ddp_params = load_params((ddp.dir / "params.pt").string());
-  for (const LevelCase& level : kLevels) {
-    BOOST_TEST_CONTEXT("sharding " << level.name) {
-      auto run = run_worker("ckpt", 2, 0, common + level.settings + "TL_TEST_CKPT_DIR=" + (dir / level.name).string(),
-                            std::string("_exact_") + level.name);
-      BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
-      BOOST_TEST((load_params((run.dir / "params.pt").string()) - ddp_params).abs().max().item<double>() == 0.0);
-      fs::remove_all(run.dir);
+  // Also with 2 micro-batches per step: the sharded levels keep whole local gradients until the
+  // micro-batch that synchronizes, as plain DDP's no_sync does.
+  for (const std::string accumulation : {"1", "2"}) {
+    BOOST_TEST_CONTEXT("accumulation " << accumulation) {
+      auto dir = fresh_dir("zero_bit_for_bit_" + accumulation);
+      const std::string common = "TL_TEST_EPOCHS=4 TL_TEST_OPTIMIZER=adam TL_TEST_ACCUMULATION=" + accumulation + " ";
+      auto ddp = run_worker("ckpt", 2, 0, common + "TL_TEST_CKPT_DIR=" + (dir / "ddp").string(), "_exact_ddp" + accumulation);
+      BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
+      const torch::Tensor ddp_params = load_params((ddp.dir / "params.pt").string());
+      for (const LevelCase& level : kLevels) {
+        BOOST_TEST_CONTEXT("sharding " << level.name) {
+          auto run = run_worker("ckpt", 2, 0, common + level.settings + "TL_TEST_CKPT_DIR=" + (dir / level.name).string(),
+                                std::string("_exact_") + level.name + accumulation);
+          BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+          BOOST_TEST((load_params((run.dir / "params.pt").string()) - ddp_params).abs().max().item<double>() == 0.0);
+          fs::remove_all(run.dir);
+        }
+      }
+      fs::remove_all(ddp.dir);
+      fs::remove_all(dir);
     }
   }
-  fs::remove_all(ddp.dir);
-  fs::remove_all(dir);
 }
 
 // A frozen layer still in the optimizer (a fine-tuned backbone) gets no gradient at any level, so
@@ -1035,54 +1041,54 @@ BOOST_AUTO_TEST_CASE(a_frozen_layer_in_the_optimizer_stays_as_it_was_at_every_sh
 // Each sharding level: killed and restarted, bit for bit; its checkpoints resume in plain DDP, in
 // another world size and in one process, and plain DDP's resume in it.
 BOOST_AUTO_TEST_CASE(every_sharding_level_restarts_bit_for_bit_and_its_checkpoints_resume_in_any_mode_and_world_size) {
- for (const LevelCase& level : kLevels) {
- BOOST_TEST_CONTEXT("sharding " << level.name) {
-  auto dir = fresh_dir(std::string("zero_ckpt_") + level.name);
-  const std::string adam = "TL_TEST_OPTIMIZER=adam ", zero = adam + level.settings;
-  auto full = run_ckpt("zero_full", dir / "full", zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2");
-  BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
-  // Rank 1 killed at step 7 (inside epoch 2): all ranks restart from the step-6 checkpoint.
-  auto killed = run_ckpt("zero_killed", dir / "killed",
-                         zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_KILL_AT_STEP=7 TL_TEST_MAX_RESTARTS=1");
-  BOOST_REQUIRE_MESSAGE(killed.exit_code == 0, killed.output);
-  BOOST_TEST(killed.output.find("restarting all ranks from the newest checkpoint") != std::string::npos);
-  BOOST_TEST(torch::equal(load_params((killed.dir / "params.pt").string()), load_params((full.dir / "params.pt").string())));
-  BOOST_TEST(leftover_workers() == 0);
+  for (const LevelCase& level : kLevels) {
+    BOOST_TEST_CONTEXT("sharding " << level.name) {
+      auto dir = fresh_dir(std::string("zero_ckpt_") + level.name);
+      const std::string adam = "TL_TEST_OPTIMIZER=adam ", zero = adam + level.settings;
+      auto full = run_ckpt("zero_full", dir / "full", zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2");
+      BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+      // Rank 1 killed at step 7 (inside epoch 2): all ranks restart from the step-6 checkpoint.
+      auto killed = run_ckpt("zero_killed", dir / "killed",
+                             zero + "TL_TEST_EPOCHS=3 TL_TEST_EVERY_STEPS=2 TL_TEST_KILL_AT_STEP=7 TL_TEST_MAX_RESTARTS=1");
+      BOOST_REQUIRE_MESSAGE(killed.exit_code == 0, killed.output);
+      BOOST_TEST(killed.output.find("restarting all ranks from the newest checkpoint") != std::string::npos);
+      BOOST_TEST(torch::equal(load_params((killed.dir / "params.pt").string()), load_params((full.dir / "params.pt").string())));
+      BOOST_TEST(leftover_workers() == 0);
 
-  // 2 epochs with ZeRO, then the third in plain DDP from ZeRO's checkpoint: as 3 epochs of ZeRO.
-  auto first = run_ckpt("zero_first", dir / "mixed", zero + "TL_TEST_EPOCHS=2");
-  BOOST_REQUIRE_MESSAGE(first.exit_code == 0, first.output);
-  fs::copy(dir / "mixed", dir / "three_ranks", fs::copy_options::recursive);
-  fs::copy(dir / "mixed", dir / "back_to_zero", fs::copy_options::recursive);
-  auto in_ddp = run_ckpt("ddp_second", dir / "mixed", adam + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
-  BOOST_REQUIRE_MESSAGE(in_ddp.exit_code == 0, in_ddp.output);
-  BOOST_TEST(in_ddp.result["epochs"] == 3);
-  const double mixed = (load_params((in_ddp.dir / "params.pt").string()) - load_params((full.dir / "params.pt").string()))
-                           .abs().max().item<double>();
-  BOOST_TEST_MESSAGE("sharding " << level.name << ": 2 epochs sharded + 1 epoch plain DDP vs 3 epochs sharded: max |diff| " << mixed);
-  BOOST_TEST(mixed <= 1e-6);
-  // ... and plain DDP's checkpoint of epoch 3 continues in ZeRO; ZeRO's in 3 ranks (another world size).
-  auto ddp_then_zero = run_ckpt("zero_third", dir / "mixed", zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
-  BOOST_REQUIRE_MESSAGE(ddp_then_zero.exit_code == 0, ddp_then_zero.output);
-  BOOST_TEST(ddp_then_zero.result["epochs"] == 4);
-  auto three = run_worker("ckpt", 3, 0, zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last TL_TEST_CKPT_DIR=" +
-                                            (dir / "three_ranks").string(), "_zero_three");
-  BOOST_REQUIRE_MESSAGE(three.exit_code == 0, three.output);
-  BOOST_TEST(three.result["epochs"] == 3);
-  BOOST_TEST(adam_moments(dir / "three_ranks" / "last.ckpt").second == 6);
-  // ... and in one process, with every parameter's Adam state.
-  torch::manual_seed(5);
-  Mlp net;
-  torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(0.01));
-  tl::TrainLoop<Mlp> one(net, make_data(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
-                         tl::TrainLoopOptions().batch_size(8));
-  one.load_checkpoint(dir / "back_to_zero" / "last.ckpt");
-  BOOST_TEST(optimizer.state().size() == 6u);
-  BOOST_TEST(tl::optimizer_state_bytes(optimizer) == 2 * 4 * kMlpParameters);
-  for (auto* run : {&full, &killed, &first, &in_ddp, &ddp_then_zero, &three}) fs::remove_all(run->dir);
-  fs::remove_all(dir);
- }
- }
+      // 2 epochs with ZeRO, then the third in plain DDP from ZeRO's checkpoint: as 3 epochs of ZeRO.
+      auto first = run_ckpt("zero_first", dir / "mixed", zero + "TL_TEST_EPOCHS=2");
+      BOOST_REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+      fs::copy(dir / "mixed", dir / "three_ranks", fs::copy_options::recursive);
+      fs::copy(dir / "mixed", dir / "back_to_zero", fs::copy_options::recursive);
+      auto in_ddp = run_ckpt("ddp_second", dir / "mixed", adam + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
+      BOOST_REQUIRE_MESSAGE(in_ddp.exit_code == 0, in_ddp.output);
+      BOOST_TEST(in_ddp.result["epochs"] == 3);
+      const double mixed = (load_params((in_ddp.dir / "params.pt").string()) - load_params((full.dir / "params.pt").string()))
+                               .abs().max().item<double>();
+      BOOST_TEST_MESSAGE("sharding " << level.name << ": 2 epochs sharded + 1 epoch plain DDP vs 3 epochs sharded: max |diff| " << mixed);
+      BOOST_TEST(mixed <= 1e-6);
+      // ... and plain DDP's checkpoint of epoch 3 continues in ZeRO; ZeRO's in 3 ranks (another world size).
+      auto ddp_then_zero = run_ckpt("zero_third", dir / "mixed", zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
+      BOOST_REQUIRE_MESSAGE(ddp_then_zero.exit_code == 0, ddp_then_zero.output);
+      BOOST_TEST(ddp_then_zero.result["epochs"] == 4);
+      auto three = run_worker("ckpt", 3, 0, zero + "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last TL_TEST_CKPT_DIR=" +
+                                                (dir / "three_ranks").string(), "_zero_three");
+      BOOST_REQUIRE_MESSAGE(three.exit_code == 0, three.output);
+      BOOST_TEST(three.result["epochs"] == 3);
+      BOOST_TEST(adam_moments(dir / "three_ranks" / "last.ckpt").second == 6);
+      // ... and in one process, with every parameter's Adam state.
+      torch::manual_seed(5);
+      Mlp net;
+      torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(0.01));
+      tl::TrainLoop<Mlp> one(net, make_data(40, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                             tl::TrainLoopOptions().batch_size(8));
+      one.load_checkpoint(dir / "back_to_zero" / "last.ckpt");
+      BOOST_TEST(optimizer.state().size() == 6u);
+      BOOST_TEST(tl::optimizer_state_bytes(optimizer) == 2 * 4 * kMlpParameters);
+      for (auto* run : {&full, &killed, &first, &in_ddp, &ddp_then_zero, &three}) fs::remove_all(run->dir);
+      fs::remove_all(dir);
+    }
+  }
 }
 
 // PowerSGD's state (Q and error feedback, per rank) is in the checkpoints: 20 steps, compression
