@@ -166,7 +166,8 @@ class ShardedUnits {
       TRAINLOOP_CHECK(watching().compare_exchange_strong(expected, this), "two fits with full sharding at once in one "
                       "process; expected one at a time");
       callback_ = at::addGlobalCallback(at::RecordFunctionCallback(&ShardedUnits::on_operator).needsInputs(true));
-      at::disableCallback(callback_);  // on only while a micro-batch trains: every operator boxes its inputs for it
+      callback_enabled_ = true;
+      set_callback_enabled(false);  // on only while a micro-batch trains: every operator boxes its inputs for it
     }
     attach_hooks();
   }
@@ -195,12 +196,13 @@ class ShardedUnits {
     whole_ = false;
     for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
     observing_.store(true);
-    at::reenableCallback(callback_);
+    set_callback_enabled(true);
   }
   /// After a micro-batch's backward (also when it threw): level 3 frees every unit.
   void end_micro_batch() noexcept {
     if (!parameters_sharded_) return;
-    if (observing_.exchange(false)) at::disableCallback(callback_);
+    observing_.store(false);
+    set_callback_enabled(false);
     std::lock_guard<std::mutex> lock(units_mutex_);
     for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
   }
@@ -278,6 +280,17 @@ class ShardedUnits {
     ~Busy() { flag.store(false); }
     std::atomic<bool>& flag;
   };
+
+  /// Turns the observer on or off (called from the training thread only).
+  void set_callback_enabled(bool enabled) noexcept {
+    if (enabled == callback_enabled_) return;
+    if (enabled) {
+      at::reenableCallback(callback_);
+    } else {
+      at::disableCallback(callback_);
+    }
+    callback_enabled_ = enabled;
+  }
 
   static std::atomic<ShardedUnits*>& watching() {
     static std::atomic<ShardedUnits*> units{nullptr};
@@ -477,6 +490,7 @@ class ShardedUnits {
   std::atomic<bool> observing_{false};  // a micro-batch trains: the observer gathers
   std::atomic<bool> busy_{false};       // a gather is under way: operators seen now are its own
   at::CallbackHandle callback_ = 0;
+  bool callback_enabled_ = false;       // whether callback_ runs now (training thread only)
   std::exception_ptr gather_error_;     // a gather the observer could not do, thrown after backward
 };
 
