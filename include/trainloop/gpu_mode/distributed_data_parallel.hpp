@@ -24,8 +24,10 @@
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/launcher.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
+#include <trainloop/distributed/zero/sharded_gradient_norm.hpp>
 #include <trainloop/distributed/zero/sharded_units.hpp>
 #include <trainloop/distributed/zero/sharding.hpp>
+#include <trainloop/distributed/zero/units.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optimizer_step.hpp>
@@ -38,7 +40,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <exception>
 #include <cstdio>
 #include <iostream>
@@ -320,7 +321,9 @@ class DistributedDataParallelEngine {
     const std::vector<torch::Tensor>& pieces = zero_->pieces_with_unit_gradients();
     bool overflow = request.scaler != nullptr && request.scaler->unscale(pieces);
     if (request.scaler != nullptr) overflow = any_rank(overflow);
-    if (request.clip_grad_norm > 0.0 && !overflow) clip_sharded_gradients(pieces, request.clip_grad_norm);
+    if (request.clip_grad_norm > 0.0 && !overflow) {
+      distributed::clip_sharded_gradients(pieces, request.clip_grad_norm, *group_, device_);
+    }
     if (request.before_step) request.before_step();
     OptimizerStepResult result{learning_rate_of(request.optimizer), momentum_of(request.optimizer), overflow};
     if (!overflow) {
@@ -402,13 +405,8 @@ class DistributedDataParallelEngine {
       if (!zero_) zero_.emplace(optimizer, group_->rank(), group_->world_size());
     } else {
       const distributed::UnitAssignment units = distributed::assign_units(*module_, mode_.sharding_units());
-      check_model_unchanged();
-      for (const auto& parameter : module_->named_parameters()) {
-        TRAINLOOP_CHECK(!parameter.value().requires_grad() || is_in(optimizer, parameter.value()), "parameter '",
-                        parameter.key(), "' requires grad but is not in the optimizer; sharding ",
-                        distributed::sharding_name(level), " reduces only the optimizer's parameters: expected "
-                        "every trainable parameter in the optimizer, or the parameter frozen");
-      }
+      sharded_model_.check(*module_, level);
+      distributed::check_trainable_parameters_in(*module_, optimizer, level);
       if (!zero_) {
         zero_.emplace(optimizer, group_->rank(), group_->world_size(), units.unit_of,
                       level == distributed::Sharding::Full ? distributed::ZeroOptimizerShard::PieceHome::OwnShard
@@ -419,52 +417,6 @@ class DistributedDataParallelEngine {
       return;
     }
     zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces
-  }
-
-  /// Levels 2 and 3 lay out the parameters once: the model must keep them across fits.
-  void check_model_unchanged() {
-    std::vector<std::pair<std::string, const void*>> now;
-    for (const auto& parameter : module_->named_parameters()) now.emplace_back(parameter.key(), parameter.value().unsafeGetTensorImpl());
-    if (sharded_model_.empty()) {
-      sharded_model_ = std::move(now);
-      return;
-    }
-    for (size_t i = 0; i < std::max(now.size(), sharded_model_.size()); ++i) {
-      const std::string was = i < sharded_model_.size() ? sharded_model_[i].first : "(none)";
-      const std::string is = i < now.size() ? now[i].first : "(none)";
-      TRAINLOOP_CHECK(i < now.size() && i < sharded_model_.size() && now[i] == sharded_model_[i], "the model's "
-                      "parameters changed since the last sharded fit: parameter ", i, " is '", is, "' (a new tensor or "
-                      "another name), was '", was, "'; expected the same parameters in every fit with sharding ",
-                      distributed::sharding_name(mode_.resolved_sharding()), " (or a new TrainLoop resuming a checkpoint)");
-    }
-  }
-
-  static bool is_in(const torch::optim::Optimizer& optimizer, const torch::Tensor& parameter) {
-    for (const auto& group : optimizer.param_groups()) {
-      for (const auto& p : group.params()) {
-        if (p.is_same(parameter)) return true;
-      }
-    }
-    return false;
-  }
-
-  /// Clips this rank's reduced chunks by the norm of the whole gradient: the square root of the
-  /// sum over ranks of each chunk's sum of squares (the padding is zero). The same coefficient as
-  /// torch::nn::utils::clip_grad_norm_, max_norm / (norm + 1e-6) when below 1; the norm is summed in
-  /// another order, so clipped steps agree with plain DDP to rounding, not bit for bit.
-  void clip_sharded_gradients(const std::vector<torch::Tensor>& pieces, double max_norm) {
-    torch::NoGradGuard no_grad;
-    torch::Tensor squares = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-    for (const auto& piece : pieces) {
-      if (piece.grad().defined()) squares += piece.grad().to(torch::kFloat64).pow(2).sum();
-    }
-    group_->all_reduce_sum(squares);
-    const double norm = std::sqrt(squares.item<double>());
-    const double coefficient = max_norm / (norm + 1e-6);
-    if (coefficient >= 1.0) return;
-    for (const auto& piece : pieces) {
-      if (piece.grad().defined()) piece.grad().mul_(coefficient);
-    }
   }
 
   torch::Device rank_device() const {
@@ -535,7 +487,7 @@ class DistributedDataParallelEngine {
   std::vector<torch::Tensor> buffers_;     // listed once per fit, broadcast after every step
   std::optional<distributed::ZeroOptimizerShard> zero_;  // owners of the optimizer state, under ZeRO
   std::optional<distributed::ShardedUnits> units_;       // levels 2 and 3, this fit's units
-  std::vector<std::pair<std::string, const void*>> sharded_model_;  // levels 2 and 3: the parameters laid out
+  distributed::ShardedModelRecord sharded_model_;        // levels 2 and 3: the parameters laid out
 };
 
 }  // namespace detail

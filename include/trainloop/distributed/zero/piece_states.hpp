@@ -25,10 +25,12 @@ inline torch::Tensor flat_view(const torch::Tensor& tensor) {
 }
 
 /// `tensor` (a gradient or a state of `parameter`) flat in the parameter's memory order: a view
-/// when it has the parameter's strides, a copy in them otherwise.
+/// when it has the parameter's strides, a copy in them otherwise. Reads only the parameter's
+/// sizes and strides, never its memory (under full sharding that may be freed, and an operator
+/// on it would start a gather).
 inline torch::Tensor flat_in_layout_of(const torch::Tensor& tensor, const torch::Tensor& parameter) {
   if (tensor.strides() == parameter.strides() && tensor.is_non_overlapping_and_dense()) return flat_view(tensor);
-  return flat_view(torch::empty_like(parameter).copy_(tensor));
+  return flat_view(torch::empty_strided(parameter.sizes(), parameter.strides(), tensor.options()).copy_(tensor));
 }
 
 /// The state tensors of `state` that hold one value per element of their parameter.

@@ -36,6 +36,7 @@
 #include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/zero/piece_states.hpp>
+#include <trainloop/distributed/zero/units.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
 #include <trainloop/error.hpp>
 
@@ -56,54 +57,6 @@
 #include <vector>
 
 namespace trainloop::distributed {
-
-/// @brief Which parameters belong to which unit: TensorImpl address to unit index, and the units' names.
-struct UnitAssignment {
-  std::vector<std::string> names;                ///< unit i's submodule ("" for the model's own parameters)
-  std::unordered_map<const void*, int> unit_of;  ///< parameter (TensorImpl address) to unit index
-};
-
-/// @brief The units of `module`: the submodules `names` names (dotted paths, as named_modules()
-/// prints them), or its top-level children when `names` is empty; a parameter belongs to the
-/// innermost named unit that holds it, and parameters of no named unit form one more unit.
-/// @throws trainloop::ConfigurationError for a name that names no submodule, listing the top-level ones.
-inline UnitAssignment assign_units(const torch::nn::Module& module, std::vector<std::string> names) {
-  if (names.empty()) {
-    for (const auto& child : module.named_children()) names.push_back(child.key());
-  }
-  const auto modules = module.named_modules("", /*include_self=*/false);
-  for (const auto& name : names) {
-    if (modules.contains(name)) continue;
-    std::string children;
-    for (const auto& child : module.named_children()) children += (children.empty() ? "" : ", ") + child.key();
-    throw ConfigurationError(::trainloop::detail::concat("trainloop: sharding unit '", name, "' names no submodule of "
-                                                         "the model; expected a dotted submodule path such as one of "
-                                                         "its children: ", children.empty() ? "(none)" : children));
-  }
-  UnitAssignment assignment;
-  assignment.names = names;
-  int rest = -1;  // the unit of parameters no named unit holds, made when the first one appears
-  for (const auto& parameter : module.named_parameters(/*recurse=*/true)) {
-    int best = -1;
-    size_t best_length = 0;
-    for (size_t u = 0; u < names.size(); ++u) {
-      const std::string prefix = names[u] + ".";
-      if (parameter.key().rfind(prefix, 0) == 0 && prefix.size() > best_length) {
-        best = static_cast<int>(u);
-        best_length = prefix.size();
-      }
-    }
-    if (best < 0) {
-      if (rest < 0) {
-        rest = static_cast<int>(assignment.names.size());
-        assignment.names.emplace_back();
-      }
-      best = rest;
-    }
-    assignment.unit_of.emplace(parameter.value().unsafeGetTensorImpl(), best);
-  }
-  return assignment;
-}
 
 namespace detail {
 
@@ -421,12 +374,7 @@ class ShardedUnits {
     for (auto& [parameter, offset] : tensors) {
       const torch::Tensor& grad = parameter.grad();
       if (!grad.defined()) continue;  // unused or frozen: zeros, as the gradient reducer sends
-      // In the parameter's memory order, read from its strides only (empty_like(parameter) would be
-      // an operator on a freed unit: a gather inside the hook).
-      torch::Tensor in_layout = grad.strides() == parameter.strides() && grad.is_non_overlapping_and_dense()
-                                    ? grad
-                                    : torch::empty_strided(parameter.sizes(), parameter.strides(), grad.options()).copy_(grad);
-      input.narrow(0, offset, parameter.numel()).copy_(::trainloop::distributed::detail::flat_view(in_layout));
+      input.narrow(0, offset, parameter.numel()).copy_(::trainloop::distributed::detail::flat_in_layout_of(grad, parameter));
       // Released as soon as copied: the collective then runs beside one copy of the unit's
       // gradient, not two (64 MiB less at the peak of the 100 M MLP's 64 MiB units).
       parameter.mutable_grad().reset();
@@ -435,15 +383,14 @@ class ShardedUnits {
     group_.reduce_scatter_sum(input, chunk);
   }
 
-  /// The parameters that require grad now, as flags (the hooks follow freezing and unfreezing).
-  std::vector<char> trainable_flags() const {
-    std::vector<char> flags;
-    for (size_t u = 0; u < shard_.unit_count(); ++u) {
-      for (auto& [parameter, offset] : shard_.unit_tensors(u)) flags.push_back(parameter.requires_grad() ? 1 : 0);
+  /// Whether a parameter was frozen or unfrozen since the hooks were attached (checked before
+  /// every micro-batch: a flag read per parameter, no allocation).
+  bool trainable_set_changed() const {
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      if (parameters_[i].requires_grad() != (hooked_flags_[i] != 0)) return true;
     }
-    return flags;
+    return false;
   }
-  bool trainable_set_changed() const { return trainable_flags() != hooked_flags_; }
 
   /// (Re)attaches a gradient hook to every parameter that requires grad now.
   void attach_hooks() {
@@ -455,8 +402,12 @@ class ShardedUnits {
     state_->reduced.assign(units, 0);
     for (size_t u = units; u-- > 0;) state_->order.push_back(u);
     state_->reduce = [this](size_t u) { reduce_unit(u); };
+    parameters_.clear();
+    hooked_flags_.clear();
     for (size_t u = 0; u < units; ++u) {
       for (auto& [parameter, offset] : shard_.unit_tensors(u)) {
+        parameters_.push_back(parameter);
+        hooked_flags_.push_back(parameter.requires_grad() ? 1 : 0);
         if (!parameter.requires_grad()) continue;
         std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(parameter);
         hook_keys_.push_back(accumulator->add_post_hook(
@@ -466,7 +417,6 @@ class ShardedUnits {
         ++state_->expected[u];
       }
     }
-    hooked_flags_ = trainable_flags();
   }
   void remove_hooks() noexcept {
     for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
@@ -480,7 +430,8 @@ class ShardedUnits {
   std::shared_ptr<detail::UnitGradientState> state_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive: autograd holds them weakly
   std::vector<std::uintptr_t> hook_keys_;
-  std::vector<char> hooked_flags_;
+  std::vector<torch::Tensor> parameters_;  // every unit's parameters, in layout order
+  std::vector<char> hooked_flags_;         // which of them had a hook attached (required grad then)
   // Level 3:
   std::mutex units_mutex_;              // gathers and frees (the observer may run on autograd's threads)
   std::vector<torch::Tensor> full_;     // each unit's flat buffer, W chunks
