@@ -628,23 +628,47 @@ BOOST_AUTO_TEST_CASE(ddp_k_epochs_then_resume_then_k_epochs_equals_2k_bit_for_bi
 
 BOOST_AUTO_TEST_CASE(spawned_ranks_start_from_the_callers_weights_also_when_a_resume_finds_nothing) {
   // Rank 1 builds its model from another seed than the caller. A spawned rank does not broadcast:
-  // it loads the caller's state (initial.ckpt) when fit() resumes nothing, and also when its
-  // resume ("last") finds only a checkpoint it cannot read. If it kept its own weights, the
-  // ranks would train apart from step 1.
+  // it loads the caller's state (initial.ckpt) when fit() resumes nothing, also when its resume
+  // ("last") finds no checkpoint yet. If it kept its own weights, the ranks would train apart
+  // from step 1.
   auto dir = fresh_dir("ckpt_fallback");
   auto same = run_ckpt("same", dir / "same", "TL_TEST_EPOCHS=1");
   BOOST_REQUIRE_MESSAGE(same.exit_code == 0, same.output);
   auto fresh = run_ckpt("fresh", dir / "fresh", "TL_TEST_EPOCHS=1 TL_TEST_SEED_BY_RANK=1");
   BOOST_REQUIRE_MESSAGE(fresh.exit_code == 0, fresh.output);
-  fs::create_directories(dir / "nothing");
-  std::ofstream(dir / "nothing" / "last.ckpt") << "not a checkpoint";
   auto resumed_nothing = run_ckpt("nothing", dir / "nothing", "TL_TEST_EPOCHS=1 TL_TEST_SEED_BY_RANK=1 TL_TEST_RESUME=last");
   BOOST_REQUIRE_MESSAGE(resumed_nothing.exit_code == 0, resumed_nothing.output);
-  BOOST_TEST(resumed_nothing.output.find("last.ckpt") != std::string::npos);  // skipped, with a warning
+  BOOST_TEST(resumed_nothing.output.find("yet; training from the start") != std::string::npos);
   const torch::Tensor expected = load_params((same.dir / "params.pt").string());
   BOOST_TEST(torch::equal(load_params((fresh.dir / "params.pt").string()), expected));
   BOOST_TEST(torch::equal(load_params((resumed_nothing.dir / "params.pt").string()), expected));
   for (auto* run : {&same, &fresh, &resumed_nothing}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_resume_whose_every_checkpoint_is_unreadable_fails_and_overwrites_nothing) {
+  // "last" with checkpoints in the directory, none readable: as in single and dp, fit() throws the
+  // CheckpointError — it must not train from the caller's weights and then write new checkpoints
+  // over the files it could not read (once the spawned ranks' initial.ckpt fallback did both).
+  auto dir = fresh_dir("ckpt_unreadable");
+  fs::create_directories(dir / "bad");
+  std::ofstream(dir / "bad" / "last.ckpt") << "not a checkpoint";
+  std::ofstream(dir / "bad" / "epoch1.ckpt") << "not one either";
+  auto run = run_ckpt("bad", dir / "bad", "TL_TEST_EPOCHS=1 TL_TEST_RESUME=last");
+  BOOST_TEST(run.exit_code == 3, run.output);
+  BOOST_TEST(run.output.find("CHECKPOINT_ERROR") != std::string::npos, run.output);
+  BOOST_TEST(run.output.find("last.ckpt") != std::string::npos, run.output);
+  BOOST_TEST(!fs::exists(run.dir / "params.pt"), "no trained model was handed back");
+  auto text_of = [](const fs::path& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  BOOST_TEST(text_of(dir / "bad" / "last.ckpt") == "not a checkpoint");
+  BOOST_TEST(text_of(dir / "bad" / "epoch1.ckpt") == "not one either");
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(dir / "bad")) files.push_back(entry.path().filename().string());
+  BOOST_TEST(files.size() == 2u, "files in the checkpoint directory afterwards: " << files.size());
+  fs::remove_all(run.dir);
   fs::remove_all(dir);
 }
 

@@ -535,7 +535,7 @@ BOOST_AUTO_TEST_CASE(python_files_that_are_not_state_dicts, *boost::unit_test::p
   BOOST_TEST(error_of([&] { interop::read_python_state_dict(dir / "torchscript.pt"); })
                  .find(" is a TorchScript archive") != std::string::npos);
   BOOST_TEST(error_of([&] { interop::read_python_state_dict(dir / "nested.pt"); })
-                 .find("holds a dict under 'model'; expected a tensor") != std::string::npos);
+                 .find("holds a dict under \"model\"; expected a tensor") != std::string::npos);
   // Protocol 4 (torch.save(..., pickle_protocol=4)) reads as the default protocol 2 does.
   BOOST_TEST(interop::load_state_dict(*model, dir / "protocol4.pt").loaded.size() == 8u);
   BOOST_TEST(equal_states(interop::read_python_state_dict(dir / "protocol4.pt"),

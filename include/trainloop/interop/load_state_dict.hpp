@@ -11,6 +11,7 @@
 #include <trainloop/error.hpp>
 #include <trainloop/interop/python_state_dict.hpp>
 #include <trainloop/interop/state_dict.hpp>
+#include <trainloop/serialization/quoted.hpp>
 
 #include <torch/torch.h>
 
@@ -56,7 +57,8 @@ using trainloop::detail::concat;
 /// "a, b, c" for at most `shown` names, then "and N more".
 inline std::string name_list(const std::vector<std::string>& names, size_t shown = 8) {
   std::string text;
-  for (size_t i = 0; i < names.size() && i < shown; ++i) text += (i ? ", " : "") + names[i];
+  // Names can come from a stranger's file: each escaped and cut (serialization/quoted.hpp).
+  for (size_t i = 0; i < names.size() && i < shown; ++i) text += (i ? ", " : "") + serialization::escape_untrusted(names[i]);
   if (names.size() > shown) text += concat(" and ", names.size() - shown, " more");
   return text;
 }
@@ -76,7 +78,7 @@ inline std::string mismatch_message(const LoadReport& report, const std::string&
   }
   if (!report.mismatched.empty()) {
     const auto& first = report.mismatched.front();
-    text << separator << report.mismatched.size() << " wrong shape (" << first.name << " is "
+    text << separator << report.mismatched.size() << " wrong shape (" << serialization::escape_untrusted(first.name) << " is "
          << c10::IntArrayRef(first.in_file) << " " << where << "; expected " << c10::IntArrayRef(first.in_model);
     std::vector<std::string> others;
     for (size_t i = 1; i < report.mismatched.size(); ++i) others.push_back(report.mismatched[i].name);

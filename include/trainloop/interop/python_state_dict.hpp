@@ -61,7 +61,7 @@ StateDict state_dict_of(const serialization::PickleDocument& document, Fail&& fa
     if (key.kind != Kind::String) throw fail(concat("has ", serialization::a_kind(key.kind), " key; expected names"));
     const std::string& name = document.text(key);
     if (value.kind != Kind::Tensor) {
-      throw fail(concat("holds ", serialization::a_kind(value.kind), " under '", name, "'; expected a tensor (a ",
+      throw fail(concat("holds ", serialization::a_kind(value.kind), " under ", serialization::quote_untrusted(name), "; expected a tensor (a ",
                         "state_dict itself, not a dict around it such as {'model': model.state_dict(), ...})"));
     }
     state.emplace_back(name, document.tensor(value));

@@ -11,8 +11,11 @@
 ///   PERSID) is read;
 /// - no unbounded memory: values are handles into one PickleDocument (pickle_value.hpp), so DUP
 ///   and BINGET copy 24 bytes, never a string; the memo is a map, so an index of 2^32-1 costs one
-///   entry; values, stack, memo, nesting and open MARKs are counted against PickleLimits;
-/// - no recursion over values, so no nesting can exhaust the stack; cycles cost nothing;
+///   entry; values (charged what they cost), stack, memo, nesting and open MARKs are counted
+///   against PickleLimits;
+/// - no recursion over values, so no nesting can exhaust the stack; nesting measured on the
+///   finished pickle (PickleBuilder::check_nesting), cycles refused, before libtorch's own reader
+///   (which recurses) is given any pickle of a TorchScript archive;
 /// - MARK bookkeeping checked by every opcode: nothing takes a value from below the last MARK;
 /// - tensors proved inside their storages with checked arithmetic (tensor_rebuild.hpp).
 ///
@@ -31,6 +34,7 @@
 #include <trainloop/serialization/pickle_globals.hpp>
 #include <trainloop/serialization/pickle_limits.hpp>
 #include <trainloop/serialization/pickle_value.hpp>
+#include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/tensor_rebuild.hpp>
 
 #include <torch/torch.h>
@@ -70,17 +74,19 @@ class Unpickler : private PickleBuilder {
       if (bytes_.size() > limits_.max_pickle_bytes) {
         fail("the pickle has ", bytes_.size(), " bytes; expected at most ", limits_.max_pickle_bytes);
       }
+      set_budget_for(bytes_.size());
       if (bytes_.empty() || static_cast<uint8_t>(bytes_[0]) != 0x80) fail("it does not start with a pickle PROTO opcode");
       while (true) {
         opcode_at_ = pos_;
         const auto opcode = static_cast<uint8_t>(take(1)[0]);
         if (opcode == '.') break;  // STOP
         step(opcode);
-        stats_.stack = std::max(stats_.stack, stack_.size());
+        charge_stack(stack_.size());
         if (stack_.size() > limits_.max_stack) fail("the pickle holds more than ", limits_.max_stack, " values at once");
       }
       if (!marks_.empty()) fail("the pickle ends with ", marks_.size(), " MARKs open; expected none");
       if (stack_.size() != 1) fail("the pickle ends with ", stack_.size(), " values on its stack; expected 1");
+      check_nesting();
     } catch (const PickleError& error) {
       throw PickleError(trainloop::detail::concat("at byte ", opcode_at_, ": ", error.what()));
     }
@@ -168,7 +174,7 @@ class Unpickler : private PickleBuilder {
       entry->second = value;
       return;
     }
-    charge(48);
+    charge(kMemoEntryCost);
     if (memo_.size() > limits_.max_memo) fail("the pickle memoizes more than ", limits_.max_memo, " values");
   }
   void memo_get(uint64_t id) {
@@ -181,7 +187,7 @@ class Unpickler : private PickleBuilder {
   void push_global(std::string_view module, std::string_view name) {
     const auto role = allowed_global(module, name, flavor_);
     if (!role) {
-      fail("the pickle names the global ", module, ".", name, ", which a file of weights never needs; ", kAllowedGlobals);
+      fail("the pickle names the global ", quote_untrusted(std::string(module) + "." + std::string(name)), ", which a file of weights never needs; ", kAllowedGlobals);
     }
     PickleValue value = make_text(Kind::Global, std::string(module) + "." + std::string(name));
     value.integer = static_cast<int64_t>(*role);
@@ -241,7 +247,7 @@ class Unpickler : private PickleBuilder {
     }
     const auto& loaded = document_.tensor(found->second);
     if (loaded.scalar_type() != dtype || loaded.numel() != numel) {
-      fail("storage ", key, " is named as ", numel, " elements of ", dtype, " and as ", loaded.numel(), " of ",
+      fail("storage ", quote_untrusted(key), " is named as ", numel, " elements of ", dtype, " and as ", loaded.numel(), " of ",
            loaded.scalar_type(), "; expected one type per storage");
     }
     return found->second;
@@ -375,10 +381,10 @@ class Unpickler : private PickleBuilder {
         const PickleValue args = pop();
         const PickleValue cls = pop();
         if (cls.kind != Kind::Global || role_of(cls) != GlobalRole::ScriptClass) {
-          fail("the pickle creates an object of ", cls.kind == Kind::Global ? document_.text(cls) : std::string(a_kind(cls.kind)),
+          fail("the pickle creates an object of ", cls.kind == Kind::Global ? quote_untrusted(document_.text(cls)) : std::string(a_kind(cls.kind)),
                "; expected objects only of TorchScript classes (__torch__.*) in a TorchScript archive");
         }
-        if (args.kind != Kind::Tuple || !document_.items(args).empty()) fail("NEWOBJ of ", document_.text(cls), " with arguments; expected ()");
+        if (args.kind != Kind::Tuple || !document_.items(args).empty()) fail("NEWOBJ of ", quote_untrusted(document_.text(cls)), " with arguments; expected ()");
         push(make_container(Kind::Object, {cls, PickleValue{}}));
         break;
       }

@@ -60,7 +60,6 @@ class PickleDocument {
   friend class PickleBuilder;
   std::vector<std::string> texts_;
   std::vector<std::vector<PickleValue>> containers_;
-  std::vector<uint32_t> depths_;  // per container: nesting below it when last filled
   std::vector<torch::Tensor> tensors_;
 };
 

@@ -14,6 +14,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/pickle_reader.hpp>
+#include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/zip_directory.hpp>
 
 #include <caffe2/serialize/inline_container.h>
@@ -35,10 +36,11 @@
 
 namespace trainloop::serialization {
 
-/// The first line of a libtorch error (its backtrace and C++ frames follow in 1.13).
+/// The first line of a libtorch error (its backtrace and C++ frames follow in 1.13), escaped and
+/// cut to a few hundred bytes: libtorch's messages can quote the file.
 inline std::string first_line(const std::exception& error) {
-  std::string text = error.what();
-  return text.substr(0, text.find('\n'));
+  const std::string_view text = error.what();
+  return escape_untrusted(text.substr(0, text.find('\n')), 2 * kQuotedBytes);
 }
 
 /// @brief An open torch archive; see the file comment.
@@ -105,12 +107,13 @@ class TorchArchive {
   /// @throws trainloop::CheckpointError when it is missing or larger.
   std::string read(const std::string& name, size_t max_bytes) {
     const auto found = sizes_.find(name);
-    if (found == sizes_.end()) throw error(concat_("lacks the record ", name, "; expected a complete file"));
+    if (found == sizes_.end()) throw error(concat_("lacks the record ", quote_untrusted(name), "; expected a complete file"));
     if (found->second > max_bytes) {
-      throw error(concat_("has a record ", name, " of ", found->second, " bytes; expected at most ", max_bytes));
+      throw error(concat_("has a record ", quote_untrusted(name), " of ", found->second, " bytes; expected at most ", max_bytes));
     }
     return guarded([&] {
       auto [data, size] = reader_->getRecord(name);
+      check_read_size(name, size, found->second);
       return std::string(static_cast<const char*>(data.get()), size);
     });
   }
@@ -134,10 +137,10 @@ class TorchArchive {
       std::string record = folder + key;
       if (!sizes_.count(record) && sizes_.count(".data/" + key)) record = ".data/" + key;
       const auto found = sizes_.find(record);
-      if (found == sizes_.end()) throw error(concat_("lacks the storage ", record, "; expected a complete file"));
+      if (found == sizes_.end()) throw error(concat_("lacks the storage ", quote_untrusted(record), "; expected a complete file"));
       const int64_t nbytes = checked_mul(numel, static_cast<int64_t>(c10::elementSize(dtype)), "a storage's byte size");
       if (static_cast<uint64_t>(nbytes) != found->second) {
-        throw error(concat_("has ", found->second, " bytes in storage ", record, " of ", numel, " ", dtype,
+        throw error(concat_("has ", found->second, " bytes in storage ", quote_untrusted(record), " of ", numel, " ", dtype,
                             " elements; expected ", nbytes, " (a complete file)"));
       }
       const auto options = torch::TensorOptions().dtype(dtype);
@@ -145,6 +148,7 @@ class TorchArchive {
       if (numel == 0) return torch::empty({0}, options);
       return guarded([&] {
         auto [data, size] = reader_->getRecord(record);
+        check_read_size(record, size, static_cast<uint64_t>(nbytes));
         c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), /*allocator=*/nullptr,
                              /*resizable=*/false);
         return torch::empty({0}, options).set_(std::move(storage));
@@ -153,7 +157,7 @@ class TorchArchive {
     try {
       return guarded([&] { return Unpickler(bytes, flavor, load_storage, limits).run(); });
     } catch (const PickleError& pickle_error) {
-      throw error(concat_("has a ", name, " that is not a pickle of weights (", pickle_error.what(), "); ", expected_));
+      throw error(concat_("has a ", quote_untrusted(name), " that is not a pickle of weights (", pickle_error.what(), "); ", expected_));
     }
   }
 
@@ -166,7 +170,7 @@ class TorchArchive {
       if (name.rfind("code/", 0) != 0 || !ends_with(name, ".py")) continue;
       const std::string source = read(name, PickleLimits{}.max_pickle_bytes);
       if (std::regex_search(source, definition)) {
-        throw error(concat_("is a TorchScript archive whose code defines methods (", name, "), which loading it ",
+        throw error(concat_("is a TorchScript archive whose code defines methods (", quote_untrusted(name), "), which loading it ",
                             "would compile and may run; ", expected_, " (a scripted model: interop::ScriptModule ",
                             "loads one, as torch.jit.load does)"));
       }
@@ -209,6 +213,14 @@ class TorchArchive {
       std::throw_with_nested(error(concat_("cannot be read (libtorch: ", first_line(libtorch_error), "); expected a complete file")));
     } catch (const std::bad_alloc&) {
       std::throw_with_nested(error("needs more memory than this machine gives; expected a file of weights"));
+    }
+  }
+  /// What libtorch read must be the record whose size was checked: never trust that the two
+  /// lookups (read_zip_directory's and libtorch's) found the same record, check the bytes.
+  void check_read_size(const std::string& name, size_t read, uint64_t expected) const {
+    if (read != expected) {
+      throw error(concat_("gave ", read, " bytes for the record ", quote_untrusted(name), " whose directory entry says ", expected,
+                          "; expected one record per name"));
     }
   }
   void check_byte_order() {

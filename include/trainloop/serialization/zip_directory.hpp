@@ -14,8 +14,16 @@
 /// writer deflates only a TorchScript archive's code and debug tables); each record lies inside
 /// the file and together they are no larger than the file, so no two records can claim the same
 /// bytes to multiply an allocation; deflated records are bounded by deflate's 1032:1 and a total.
+///
+/// One name, one record: libtorch reads `<top folder>/<name>`, the top folder being the first
+/// record's, and finds it with miniz's mz_zip_reader_locate_file, which compares names without
+/// regard to ASCII case and, among equal names, returns any one. So every record must be under
+/// the first record's top folder, and no two names may be equal ignoring case; otherwise the
+/// size checked here could be another record's than the one libtorch reads (a 4-byte record
+/// checked, a 20 KiB one read: heap bytes in a tensor). torch's writers write neither.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/quoted.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +32,7 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace trainloop::serialization {
@@ -114,6 +123,28 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
   const std::string directory = detail::read_at(in, directory_offset, directory_size, file_size, path);
   std::vector<ZipRecord> records;
   records.reserve(entries);
+  // One name, one record (see the file comment): the top folder of the first record, and every
+  // name once ignoring ASCII case, as libtorch's lookup compares them.
+  std::string top_folder;
+  std::unordered_map<std::string, std::string> folded_names;  // lower-cased -> as written
+  auto check_one_record_per_name = [&](const std::string& name) {
+    const auto slash = name.find('/');
+    if (slash == std::string::npos || slash == 0) {
+      throw corrupt(concat("the record ", quote_untrusted(name), " outside any top folder"));
+    }
+    if (top_folder.empty()) top_folder = name.substr(0, slash + 1);
+    if (name.compare(0, top_folder.size(), top_folder) != 0) {
+      throw corrupt(concat("records under two top folders, ", quote_untrusted(top_folder), " and ", quote_untrusted(name.substr(0, slash + 1)),
+                           ", which libtorch's reader does not tell apart"));
+    }
+    std::string folded = name;
+    for (char& c : folded) c = (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
+    const auto [previous, added] = folded_names.emplace(std::move(folded), name);
+    if (!added) {
+      throw corrupt(concat("two records named ", quote_untrusted(previous->second), " and ", quote_untrusted(name),
+                           ", which libtorch's reader (names compared ignoring case) does not tell apart"));
+    }
+  };
   // Deflated records (code) once inflated: a TorchScript model's code is a few MiB at most.
   constexpr uint64_t kMaxInflated = uint64_t{256} << 20;
   uint64_t stored_total = 0, inflated_total = 0;
@@ -135,6 +166,7 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
       throw corrupt(concat("a directory entry (", i, ") that runs past the directory"));
     }
     record.name.assign(header + kEntryHeader, name_length);
+    check_one_record_per_name(record.name);
     // ZIP64 extra field: the 8-byte values of the fields that hold 0xFFFFFFFF, in this order.
     const char* extra = header + kEntryHeader + name_length;
     for (size_t e = 0; e + 4 <= extra_length;) {
@@ -145,7 +177,7 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
         const char* value_end = value + length;
         auto widen = [&](uint64_t& field) {
           if (field != 0xFFFFFFFFu) return;
-          if (value_end - value < 8) throw corrupt(concat("the record ", record.name, " whose ZIP64 field is cut short"));
+          if (value_end - value < 8) throw corrupt(concat("the record ", quote_untrusted(record.name), " whose ZIP64 field is cut short"));
           field = read_le(value, 8);
           value += 8;
         };
@@ -156,26 +188,27 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
       e += 4 + length;
     }
     if (record.offset > file_size || record.stored_size > file_size - record.offset) {
-      throw corrupt(concat("the record ", record.name, " that declares ", record.stored_size, " bytes at offset ", record.offset,
+      throw corrupt(concat("the record ", quote_untrusted(record.name), " that declares ", record.stored_size, " bytes at offset ", record.offset,
                            " of a ", file_size, "-byte file"));
     }
     stored_total += record.stored_size;  // each <= file_size, so no overflow before the check below
     if (stored_total > file_size) throw corrupt(concat("records that claim more than the file's ", file_size, " bytes together"));
     if (record.method == 0) {
       if (record.size != record.stored_size) {
-        throw corrupt(concat("the stored record ", record.name, " that declares ", record.size, " bytes in ", record.stored_size));
+        throw corrupt(concat("the stored record ", quote_untrusted(record.name), " that declares ", record.size, " bytes in ", record.stored_size));
       }
     } else {
-      // libtorch's writer deflates a TorchScript archive's code and debug tables (never tensor
-      // data): bounded by deflate's own limit (1032:1) and kMaxInflated in all.
+      // libtorch's writer deflates a TorchScript archive's code and debug tables (code/), never
+      // tensor data nor the pickles of data and constants: bounded by deflate's own limit
+      // (1032:1) and kMaxInflated in all.
       const bool deflated = record.method == 8;
-      const bool data = record.name.find("/data/") != std::string::npos;
+      const bool code = record.name.compare(top_folder.size(), 5, "code/") == 0;
       inflated_total += record.size;
-      if (!deflated || data || record.size / 1032 > record.stored_size || inflated_total > kMaxInflated) {
-        throw CheckpointError(concat("trainloop: ", path.string(), " has the record ", record.name, " compressed (zip ",
+      if (!deflated || !code || record.size / 1032 > record.stored_size || inflated_total > kMaxInflated) {
+        throw CheckpointError(concat("trainloop: ", path.string(), " has the record ", quote_untrusted(record.name), " compressed (zip ",
                                      "method ", record.method, ", ", record.stored_size, " -> ", record.size,
-                                     " bytes); expected tensor data stored and at most ", kMaxInflated,
-                                     " bytes deflated in all, as torch.save, torch.jit.save and torch::save write"));
+                                     " bytes); expected every record but TorchScript code (code/) stored and at most ",
+                                     kMaxInflated, " bytes deflated in all, as torch.save, torch.jit.save and torch::save write"));
       }
     }
     records.push_back(std::move(record));

@@ -85,11 +85,15 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloo
       [&] {
         // Every rank starts from one file: the checkpoint `resume` names, else the caller's state.
         // (The DDP engine does not broadcast the model in a spawned rank: this load is the sync.)
+        // The caller's state only where the resume allows a fresh start — it found no checkpoint
+        // at all — never after candidates it could not read: like single and dp, the fit then
+        // fails with the CheckpointError (training on would overwrite the files it could not read).
         ::trainloop::detail::ResumeSpec from = resume;
-        if (from.candidates.empty()) {
+        if (from.candidates.empty()) {  // resolve_resume() gives none only where a fresh start is allowed
+          if (!from.description.empty() && env.rank == 0) {
+            std::cerr << "trainloop: no checkpoint at " << from.description << " yet; training from the start\n";
+          }
           from = ::trainloop::detail::ResumeSpec{{run_dir / "initial.ckpt"}, true, false, "", /*announce=*/false};
-        } else if (!from.required) {
-          from.candidates.push_back(run_dir / "initial.ckpt");  // nothing to resume: the caller's state
         }
         actions.train(from);
         // A collective; each node's local rank 0 writes it for its node's launcher.
