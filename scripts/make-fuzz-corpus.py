@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of tests/fuzz/fuzz_weight_files.cpp: the data.pkl of state_dicts that
-Python's torch.save writes (and of a TorchScript archive), each prefixed by the byte that tells the
-fuzz target how to read it (even: a torch.save state_dict; odd: a TorchScript archive's pickle).
+Python's torch.save writes (and of a TorchScript archive), and whole files, each prefixed by the
+byte that tells the fuzz target how to read it (0: a torch.save state_dict's pickle; 1: a
+TorchScript archive's pickle; 2: a whole torch.save file; 3: a whole TorchScript archive).
 
     scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
 
@@ -13,6 +14,36 @@ import collections, io, os, sys, zipfile
 
 import torch
 import torch.nn as nn
+
+
+def saved(obj, save=torch.save, **kwargs):
+    buffer = io.BytesIO()
+    save(obj, buffer, **kwargs)
+    return buffer.getvalue()
+
+
+def without_methods(archive_bytes):
+    """A TorchScript archive with every method cut from its code and no debug tables: the layout
+    of a trainloop checkpoint (class declarations only), which the check lets torch::jit::load read."""
+    source = zipfile.ZipFile(io.BytesIO(archive_bytes))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, 'w', zipfile.ZIP_STORED) as target:
+        for name in source.namelist():
+            data = source.read(name)
+            if name.endswith('.debug_pkl'):
+                continue
+            if '/code/' in name and name.endswith('.py'):
+                kept, skipping = [], False
+                for line in data.decode().splitlines():
+                    if line.startswith('class '):
+                        skipping = False
+                    elif line.lstrip().startswith('def '):
+                        skipping = True
+                    if not skipping:
+                        kept.append(line)
+                data = ('\n'.join(kept) + '\n').encode()
+            target.writestr(name, data)
+    return out.getvalue()
 
 
 def data_pkl(obj, save=torch.save, **kwargs):
@@ -70,6 +101,13 @@ def main():
         'dtypes': (0, data_pkl(dtypes)),
         'parameters': (0, data_pkl(collections.OrderedDict(small.named_parameters()))),
         'scripted': (1, data_pkl(torch.jit.script(small), save=torch.jit.save)),
+        # A legal view of 2^40 elements over one float (stride 0): read, and the target must not
+        # materialize it (its first touch() allocated 8 TiB here).
+        'stride0_2e40': (0, data_pkl({'expanded': torch.zeros(1).expand(2**40)})),
+        # Whole files (the zip directory and the archive's records): a state_dict, and a
+        # TorchScript archive without methods (the checkpoint path, through torch::jit::load).
+        'file_state_dict': (2, saved(small.state_dict())),
+        'file_no_methods': (3, without_methods(saved(torch.jit.script(small), save=torch.jit.save))),
     }
     for name, (flavor, pickle) in seeds.items():
         with open(os.path.join(out, name), 'wb') as f:

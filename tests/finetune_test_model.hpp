@@ -4,6 +4,7 @@
 
 #include "ddp_test_model.hpp"
 
+#include <trainloop/models.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <string>
@@ -121,4 +122,26 @@ FineTuneRun run_finetune_scenario(const std::string& scenario, Mode mode, int64_
   }
   run.state = flat_state(*net);
   return run;
+}
+
+/// The zoo's resnet18 (SyncBatchNorm, channels-last by the automatic memory format) fine-tuned as
+/// fastai does (fine_tune: one frozen epoch, then every group with discriminative rates), on 16
+/// random 3x32x32 images of 4 classes, in `dtype`, with batches of `batch_size` (per rank under
+/// DDP). The outside test of issue 38 compared this model's float32 DDP run with one process.
+template <class Mode>
+torch::Tensor run_zoo_resnet18_fine_tune(Mode mode, int64_t batch_size, torch::ScalarType dtype, uint64_t data_seed) {
+  namespace tl = trainloop;
+  torch::manual_seed(5);
+  tl::models::ImageClassifier net("resnet18", tl::models::ImageModelOptions().num_classes(4).sync_batchnorm(true));
+  net->to(dtype);
+  tl::ParameterGroups groups(*net, tl::models::fastai_split("resnet18"));
+  const auto x = torch::randn({16, 3, 32, 32}, at::detail::createCPUGenerator(data_seed)).to(dtype);
+  const auto y = torch::randint(4, {16}, at::detail::createCPUGenerator(data_seed + 1));
+  const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-2);
+  torch::optim::SGD optimizer(groups.optimizer_groups(sgd), sgd);
+  auto options = tl::TrainLoopOptions().batch_size(batch_size).shuffle(false).sync_batchnorm(true).num_threads(1).progress(false);
+  tl::TrainLoop<tl::models::ImageClassifier, Mode> loop(net, tl::data::TensorDataset(x, y, 4), {}, optimizer,
+                                                        torch::nn::CrossEntropyLoss(), options, mode);
+  tl::fine_tune(loop, optimizer, groups, /*epochs=*/1, /*base_lr=*/1e-2, tl::FineTuneOptions().freeze_epochs(1));
+  return flat_state(*net);
 }

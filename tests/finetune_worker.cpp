@@ -5,7 +5,7 @@
 //   finetune_worker <scenario> <world> <out-dir>
 //
 // Scenarios: those of run_finetune_scenario (finetune_test_model.hpp), with batches of 4 per
-// rank. Writes <out-dir>/state.pt (the model's parameters and buffers after training, as the
+// rank, and zoo_resnet18_<float64|float32>_<data seed> (run_zoo_resnet18_fine_tune). Writes <out-dir>/state.pt (the model's parameters and buffers after training, as the
 // caller's model holds them). Exit status 0, or 3 after printing the error.
 
 #include "finetune_test_model.hpp"
@@ -28,6 +28,12 @@ int main(int argc, char** argv) {
                           .procs_per_node(world)
                           .device_type(torch::kCPU)
                           .timeout(std::chrono::seconds(60));
+    if (scenario.rfind("zoo_resnet18_", 0) == 0) {  // zoo_resnet18_<float64|float32>_<data seed>
+      const bool f64 = scenario.find("float64") != std::string::npos;
+      const auto seed = std::stoull(scenario.substr(scenario.rfind('_') + 1));
+      torch::save(run_zoo_resnet18_fine_tune(mode, 4, f64 ? torch::kFloat64 : torch::kFloat32, seed), dir + "/state.pt");
+      return 0;
+    }
     const auto run = run_finetune_scenario(scenario, mode, 4, /*batch_norm=*/true);
     torch::save(run.state, dir + "/state.pt");
   } catch (const std::exception& error) {

@@ -362,3 +362,28 @@ BOOST_AUTO_TEST_CASE(ddp_with_a_frozen_body_equals_one_process_and_reduces_no_fr
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(zoo_resnet18_fine_tuned_under_ddp_is_one_process_in_exact_arithmetic) {
+  // The outside test of issue 38: the zoo's resnet18 (SyncBatchNorm, channels-last, fine_tune with
+  // discriminative rates) on 2 ranks x 4 against one process x 8 differed by 1.5e-4 in float32.
+  // No commit caused it: the numbers are the same at 350bc23 and at 70d410d. In float64 the two
+  // runs agree to 1e-15, so DDP computes one process's arithmetic; in float32 a rounding-level
+  // difference decides a max-pool or ReLU threshold the other way in some element, and this
+  // 32x32 model (layer4 normalises over 8 values per channel) carries the jump on: for other data
+  // seeds both are within 1e-6, and for one seed one process in float32 is itself 3.7e-4 from
+  // float64 (docs/models-and-interop.md#fine-tuning has the table).
+  std::string output;
+  const auto ddp = run_ddp_worker("zoo_resnet18_float64_7", 2, output);
+  BOOST_REQUIRE_MESSAGE(ddp.defined(), output);
+  const auto single = run_zoo_resnet18_fine_tune(tl::gpu_mode::Single(), 8, torch::kFloat64, 7);
+  const double difference = (ddp - single).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("float64: max |ddp 2 ranks - single| = " << difference);
+  BOOST_TEST(difference <= 1e-12);
+  // float32 with a data seed whose run meets no such threshold: within 1e-5, as the tester expected.
+  std::string output32;
+  const auto ddp32 = run_ddp_worker("zoo_resnet18_float32_1", 2, output32);
+  BOOST_REQUIRE_MESSAGE(ddp32.defined(), output32);
+  const double difference32 = (ddp32 - run_zoo_resnet18_fine_tune(tl::gpu_mode::Single(), 8, torch::kFloat32, 1)).abs().max().item<double>();
+  BOOST_TEST_MESSAGE("float32, data seed 1: max |ddp 2 ranks - single| = " << difference32);
+  BOOST_TEST(difference32 <= 1e-5);
+}

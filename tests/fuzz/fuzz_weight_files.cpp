@@ -1,35 +1,82 @@
-// libFuzzer target over the safe unpickler and the tensor rebuild (include/trainloop/serialization/):
-// each input is a pickle, read as torch.save's data.pkl (first byte even) or as a TorchScript
-// archive's (odd), with storages of up to 2^16 elements made in memory for any key it names.
-// Then what a reader does with the result is done too: the state_dict's (name, tensor) pairs,
-// or the module tree's tensors, and every tensor's bytes are read (so a view outside its storage
-// is an ASan report, not a silent read).
+// libFuzzer target over every reader of weight files from strangers (include/trainloop/serialization/):
+// the first byte of an input picks what the rest is (its low two bits):
+//   0: a pickle read as torch.save's data.pkl, storages of up to 2^16 elements made in memory;
+//   1: the same, read as a TorchScript archive's pickle (objects of __torch__ classes);
+//   2: a whole file read as interop::load_state_dict reads one: the zip directory's checks,
+//      TorchArchive, data.pkl with its storages read from the file's records;
+//   3: a whole file read as a checkpoint or scripted model is: TorchArchive::check_runs_no_code()
+//      (the zip directory, no code defining methods, every pickle libtorch will read within the
+//      safe reader's limits) and, when that passes, libtorch's own torch::jit::load — what
+//      TrainLoop::load_checkpoint and interop::ScriptModule do next. A crash there is a file the
+//      check let through.
+// Then what a reader does with the result is done too: every tensor's bytes are read (so a view
+// outside its storage is an ASan report, not a silent read).
 //
 // Built and run by the ctest test `fuzz_weight_files` (tests/fuzz/run_fuzz.cmake) with clang's
 // -fsanitize=fuzzer,address; seeds: tests/fuzz/corpus (scripts/make-fuzz-corpus.py).
 #include <trainloop/serialization/pickle_reader.hpp>
 #include <trainloop/serialization/torch_archive.hpp>
 
+#include <torch/script.h>
+
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <string_view>
 
 namespace {
 
+using namespace trainloop::serialization;
+
+// Reads every byte of the storage that the tensor's elements span, without making anything of
+// the size the view describes: a legal stride-0 view of 2^40 elements spans one element. (The
+// first version summed tensor.to(kDouble), allocating numel * 8 bytes: 8 TiB for that view.)
 void touch(const torch::Tensor& tensor) {
   if (tensor.numel() == 0 || tensor.device().type() != torch::kCPU) return;
-  // Reads every element the view reaches, through libtorch's own strided loop.
-  volatile double sum = tensor.to(torch::kDouble).sum().item<double>();
-  (void)sum;
+  int64_t last = tensor.storage_offset();
+  for (int64_t d = 0; d < tensor.dim(); ++d) last += (tensor.size(d) - 1) * tensor.stride(d);
+  const auto item = static_cast<int64_t>(tensor.element_size());
+  const auto* bytes = static_cast<const volatile unsigned char*>(tensor.storage().data());
+  unsigned sum = 0;
+  for (int64_t at = tensor.storage_offset() * item; at < (last + 1) * item; ++at) sum += bytes[at];
+  static volatile unsigned sink = 0;
+  sink = sink + sum;
 }
 
-}  // namespace
+void touch_document(const PickleDocument& document) {
+  if (document.root.kind == PickleValue::Kind::Dict) {
+    const auto& items = document.items(document.root);
+    for (size_t i = 0; i + 1 < items.size(); i += 2) {
+      if (items[i + 1].kind == PickleValue::Kind::Tensor) touch(document.tensor(items[i + 1]));
+    }
+  } else if (document.root.kind == PickleValue::Kind::Object) {
+    for (const auto& [name, tensor] : module_tensors(document)) touch(tensor);
+  }
+}
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using namespace trainloop::serialization;
-  if (size < 1) return 0;
-  const auto flavor = (data[0] & 1) ? PickleFlavor::TorchScript : PickleFlavor::StateDict;
-  const std::string_view bytes(reinterpret_cast<const char*>(data + 1), size - 1);
+/// The file an input is written to for the readers that take a path: one per fuzzing process,
+/// removed when it exits.
+const std::filesystem::path& scratch_file() {
+  struct Scratch {
+    std::filesystem::path path;
+    ~Scratch() {
+      std::error_code ignored;
+      std::filesystem::remove(path, ignored);
+    }
+  };
+  static const Scratch scratch{[] {
+    const std::filesystem::path shm = "/dev/shm";
+    const auto dir = std::filesystem::is_directory(shm) ? shm : std::filesystem::temp_directory_path();
+    return dir / ("trainloop-fuzz-" + std::to_string(::getpid()) + ".pt");
+  }()};
+  return scratch.path;
+}
+
+void read_pickle_bytes(std::string_view bytes, PickleFlavor flavor) {
   auto load_storage = [](const std::string&, torch::ScalarType dtype, int64_t numel) {
     if (numel > (int64_t{1} << 16)) throw PickleError("storage too large for the fuzzer");
     return torch::zeros({numel}, torch::TensorOptions().dtype(dtype));
@@ -37,16 +84,44 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   PickleLimits limits;
   limits.max_value_bytes = size_t{64} << 20;  // the fuzzer's RSS limit is 2 GiB
   try {
-    const PickleDocument document = Unpickler(bytes, flavor, load_storage, limits).run();
-    if (document.root.kind == PickleValue::Kind::Dict) {
-      const auto& items = document.items(document.root);
-      for (size_t i = 0; i + 1 < items.size(); i += 2) {
-        if (items[i + 1].kind == PickleValue::Kind::Tensor) touch(document.tensor(items[i + 1]));
-      }
-    } else if (document.root.kind == PickleValue::Kind::Object) {
-      for (const auto& [name, tensor] : module_tensors(document)) touch(tensor);
-    }
+    touch_document(Unpickler(bytes, flavor, load_storage, limits).run());
   } catch (const PickleError&) {
+  }
+}
+
+void read_file_bytes(std::string_view bytes, bool as_torchscript) {
+  const auto& path = scratch_file();
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  try {
+    TorchArchive archive(path, "expected a file of weights", "fuzzed file ");
+    if (!as_torchscript) {
+      touch_document(archive.read_pickle("data.pkl", archive.is_torchscript() ? PickleFlavor::TorchScript : PickleFlavor::StateDict));
+      return;
+    }
+    archive.check_runs_no_code();
+  } catch (const trainloop::CheckpointError&) {
+    return;  // refused with the error a user sees: what the readers promise
+  }
+  // Passed the check: libtorch reads it now, as a checkpoint or a scripted model would be read.
+  // Its own errors (c10::Error) are fine; a crash is not.
+  try {
+    torch::jit::Module module = torch::jit::load(path.string());
+    for (const auto& parameter : module.parameters()) touch(parameter);
+  } catch (const c10::Error&) {
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const std::string_view bytes(reinterpret_cast<const char*>(data + 1), size - 1);
+  switch (data[0] & 3) {
+    case 0: read_pickle_bytes(bytes, PickleFlavor::StateDict); break;
+    case 1: read_pickle_bytes(bytes, PickleFlavor::TorchScript); break;
+    case 2: read_file_bytes(bytes, /*as_torchscript=*/false); break;
+    default: read_file_bytes(bytes, /*as_torchscript=*/true); break;
   }
   return 0;
 }

@@ -10,6 +10,7 @@
 #include <trainloop/optim/optimizer_state.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/torch_archive.hpp>
 #include <trainloop/version.hpp>
 
@@ -58,7 +59,7 @@ class CheckpointFile {
     if (header_.format_version > kCheckpointFormatVersion) {
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " has format version ",
                                    header_.format_version, ", written by a newer trainloop (",
-                                   read_text(ours_, "trainloop_version"), "); this trainloop (", TRAINLOOP_VERSION_STRING,
+                                   serialization::quote_untrusted(read_text(ours_, "trainloop_version")), "); this trainloop (", TRAINLOOP_VERSION_STRING,
                                    ") reads format versions up to ", kCheckpointFormatVersion,
                                    "; expected a checkpoint of this or an older trainloop"));
     }
@@ -233,7 +234,8 @@ class CheckpointFile {
       if (component->state_optional() || !detail::has_state(*component)) continue;
       std::vector<std::string> present = any ? all.keys() : std::vector<std::string>{};
       std::string listed;
-      for (const auto& name : present) listed += (listed.empty() ? "" : ", ") + name;
+      for (size_t i = 0; i < present.size() && i < 16; ++i) listed += (i == 0 ? "" : ", ") + serialization::quote_untrusted(present[i]);
+      if (present.size() > 16) listed += concat(" and ", present.size() - 16, " more");
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " holds no state for callback \"", key,
                                    "\"; it holds the states of: ", listed.empty() ? "none" : listed,
                                    ". Expected a checkpoint written with that callback, or a callback whose "
