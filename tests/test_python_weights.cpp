@@ -136,12 +136,8 @@ elif command in ('check_small', 'check_resnet'):  # argv[3]: C++'s weights; argv
         logits = model(x)
     expected = torch.load(sys.argv[4], weights_only=True)['logits']
     diff = (logits - expected).abs().max().item()
-    scale = max(1.0, expected.abs().max().item())
-    # Relative to the logits' size: float32 kernels of two processes (other thread counts, other
-    # blocking) round differently; after 3 steps at lr 0.1 resnet18's logits reach ~10^2.
-    print(f'max_abs_diff={diff:.3e} logits_scale={scale:.3e} relative={diff / scale:.3e} '
-          f'num_batches_tracked={int(state["bn1.num_batches_tracked"])}')
-    sys.exit(0 if diff <= 1e-6 * scale else 1)
+    print(f'max_abs_diff={diff:.3e} num_batches_tracked={int(state["bn1.num_batches_tracked"])}')
+    sys.exit(0 if diff <= 1e-5 else 1)
 
 elif command == 'check_dtypes':  # argv[3]: C++'s file; its tensors' bytes, for C++ to compare
     state = torch.load(sys.argv[3], weights_only=True)
@@ -273,11 +269,10 @@ void train_three_steps(Model& model) {
   }
 }
 
-/// "max_abs_diff=... relative=1.2e-07 ..." -> 1.2e-07: the largest logit difference over the
-/// logits' size (at least 1), or infinity when Python printed none.
+/// "max_abs_diff=1.2e-07 ..." -> 1.2e-07 (or infinity when Python printed none).
 double printed_difference(const std::string& output) {
-  const auto at = output.find("relative=");
-  return at == std::string::npos ? std::numeric_limits<double>::infinity() : std::stod(output.substr(at + 9));
+  const auto at = output.find("max_abs_diff=");
+  return at == std::string::npos ? std::numeric_limits<double>::infinity() : std::stod(output.substr(at + 13));
 }
 
 /// Python's weights in `model` give Python's logits; 3 C++ SGD steps later, Python given C++'s
@@ -309,7 +304,7 @@ void check_both_directions(Model& model, const std::string& weights, const std::
   const auto run = run_python(check, {cpp_weights.string(), cpp_logits.string()});
   std::cout << check << ": " << run.output;
   BOOST_TEST(run.exit_code == 0, run.output);
-  BOOST_TEST(printed_difference(run.output) <= 1e-6);
+  BOOST_TEST(printed_difference(run.output) <= 1e-5);
   BOOST_TEST(run.output.find("num_batches_tracked=10") != std::string::npos);  // 7 from Python + 3 steps
 }
 

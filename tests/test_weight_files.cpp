@@ -25,6 +25,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -492,6 +493,49 @@ BOOST_AUTO_TEST_CASE(one_name_is_one_record) {
       BOOST_TEST(contains(message, "does not tell apart"));
     }
   }
+  // What libtorch's reader would refuse while it is being made (and leak its zip state doing
+  // so) is refused first, by name: a local header that is not one, an encrypted record, a
+  // format version outside this libtorch's range, none at all.
+  auto edit = [](const fs::path& path, const std::function<void(std::string&)>& change) {
+    std::string bytes;
+    {
+      std::ifstream in(path, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    change(bytes);
+    std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  const auto local = dir.path / "local.pt";
+  write_archive(local, pickle, {{"data/0", four_floats()}});
+  edit(local, [](std::string& bytes) {  // the second record's local header signature
+    const auto second = bytes.find("PK\x03\x04", 4);
+    BOOST_REQUIRE(second != std::string::npos);
+    bytes[second + 2] = '\x07';
+  });
+  BOOST_TEST(contains(load_error(local), "is not a zip local header"));
+  const auto encrypted = dir.path / "encrypted.pt";
+  write_archive(encrypted, pickle, {{"data/0", four_floats()}});
+  edit(encrypted, [](std::string& bytes) {  // the first record's general-purpose flags: encrypted
+    const auto at = bytes.find("PK\x01\x02");
+    BOOST_REQUIRE(at != std::string::npos);
+    bytes[at + 8] = static_cast<char>(bytes[at + 8] | 1);
+  });
+  BOOST_TEST(contains(load_error(encrypted), "flagged encrypted or patched (flags 0x"));
+  const auto future = dir.path / "future.pt";
+  write_archive(future, pickle, {{"data/0", four_floats()}});
+  edit(future, [](std::string& bytes) {  // the version record's digits (its local header, then its data)
+    for (size_t at = bytes.find("PK\x03\x04"); at != std::string::npos; at = bytes.find("PK\x03\x04", at + 4)) {
+      const size_t name_length = static_cast<uint8_t>(bytes[at + 26]) | (static_cast<uint8_t>(bytes[at + 27]) << 8);
+      const size_t extra_length = static_cast<uint8_t>(bytes[at + 28]) | (static_cast<uint8_t>(bytes[at + 29]) << 8);
+      const std::string name = bytes.substr(at + 30, name_length);
+      if (name.size() >= 8 && name.compare(name.size() - 8, 8, "/version") == 0) {
+        bytes[at + 30 + name_length + extra_length] = '9';
+        bytes[at + 30 + name_length + extra_length + 1] = '9';
+      }
+    }
+  });
+  BOOST_TEST(contains(load_error(future), "has the format version \"99"));
+  BOOST_TEST(contains(load_error(future), "expected a number from 1 to"));
   // Defence in depth: what libtorch returns for a record is compared with the size checked, so
   // even a lookup that found another record could not put other bytes into a tensor.
   const auto ok = dir.path / "ok.pt";

@@ -81,11 +81,9 @@ class TorchArchive {
     }
     // The directory first: libtorch's reader allocates what a record declares (its constructor
     // reads `version`), so nothing of it runs before every declared size is checked.
-    for (auto& record : read_zip_directory(path_)) {
-      const auto slash = record.name.find('/');
-      if (slash == std::string::npos) continue;  // libtorch reads only records under the top folder
-      sizes_[record.name.substr(slash + 1)] = record.size;
-    }
+    const auto records = read_zip_directory(path_);  // every record under one top folder
+    for (const auto& record : records) sizes_[record.name.substr(record.name.find('/') + 1)] = record.size;
+    check_format_version(records);
     try {
       reader_ = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path_.string());
     } catch (const std::exception& libtorch_error) {
@@ -222,6 +220,30 @@ class TorchArchive {
       throw error(concat_("gave ", read, " bytes for the record ", quote_untrusted(name), " whose directory entry says ", expected,
                           "; expected one record per name"));
     }
+  }
+  /// The archive's format version, read and checked as libtorch's reader does in its
+  /// constructor (a decimal number in `.data/version` or `version`, within the range this
+  /// libtorch reads): a file that would fail there is refused here with its reason, before the
+  /// reader is made (libtorch's reader leaks its zip state when its constructor throws).
+  void check_format_version(const std::vector<ZipRecord>& records) const {
+    bool any = false;
+    for (const auto& record : records) {
+      const std::string name = record.name.substr(record.name.find('/') + 1);
+      if (name != "version" && name != ".data/version") continue;  // libtorch 2.x prefers the second
+      any = true;
+      const std::string text = read_stored_record(path_, record, 32);
+      const size_t end = text.find_last_not_of(" \t\r\n");
+      const std::string digits = end == std::string::npos ? "" : text.substr(0, end + 1);
+      const bool number = !digits.empty() && digits.size() <= 18 && digits.find_first_not_of("0123456789") == std::string::npos;
+      const uint64_t version = number ? std::stoull(digits) : 0;
+      if (!number || version < caffe2::serialize::kMinSupportedFileFormatVersion ||
+          version > caffe2::serialize::kMaxSupportedFileFormatVersion) {
+        throw error(concat_("has the format version ", quote_untrusted(text), " in ", quote_untrusted(name),
+                            "; expected a number from ", caffe2::serialize::kMinSupportedFileFormatVersion, " to ",
+                            caffe2::serialize::kMaxSupportedFileFormatVersion, " (this libtorch's range)"));
+      }
+    }
+    if (!any) throw error(concat_("has no version record; ", expected_));
   }
   void check_byte_order() {
     if (!has("byteorder")) return;  // written since PyTorch 2.1: the storages' byte order

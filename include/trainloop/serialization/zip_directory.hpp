@@ -44,6 +44,7 @@ struct ZipRecord {
   uint64_t size = 0;         ///< bytes once read (uncompressed)
   uint64_t stored_size = 0;  ///< bytes in the file
   uint64_t offset = 0;       ///< of its local header
+  uint64_t data_offset = 0;  ///< of its bytes (after the local header, checked against the file)
 };
 
 namespace detail {
@@ -155,6 +156,9 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
     }
     const char* header = directory.data() + at;
     ZipRecord record;
+    // General-purpose flags: encrypted (bit 0), patch data (5), strong encryption (6), masked
+    // directory (13) — none of which torch writes or libtorch's reader supports.
+    const uint64_t flags = read_le(header + 8, 2);
     record.method = static_cast<uint16_t>(read_le(header + 10, 2));
     record.stored_size = read_le(header + 20, 4);
     record.size = read_le(header + 24, 4);
@@ -167,6 +171,10 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
     }
     record.name.assign(header + kEntryHeader, name_length);
     check_one_record_per_name(record.name);
+    if ((flags & 0x2061) != 0) {
+      throw corrupt(concat("the record ", quote_untrusted(record.name), " flagged encrypted or patched (flags 0x", std::hex,
+                           flags, std::dec, ")"));
+    }
     // ZIP64 extra field: the 8-byte values of the fields that hold 0xFFFFFFFF, in this order.
     const char* extra = header + kEntryHeader + name_length;
     for (size_t e = 0; e + 4 <= extra_length;) {
@@ -214,7 +222,42 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
     records.push_back(std::move(record));
     at += kEntryHeader + name_length + extra_length + comment_length;
   }
+  // Each record's local header, as miniz reads it before the bytes (signature, then the name and
+  // extra field that the bytes follow): a record whose local header is not there or does not name
+  // it is refused here, not by libtorch's reader mid-construction (which then leaks its state).
+  constexpr uint64_t kLocalHeader = 30;
+  for (auto& record : records) {
+    const std::string local = detail::read_at(in, record.offset, kLocalHeader, file_size, path);
+    if (read_le(local.data(), 4) != 0x04034b50) {
+      throw corrupt(concat("the record ", quote_untrusted(record.name), " whose local header at byte ", record.offset,
+                           " is not a zip local header"));
+    }
+    const uint64_t name_length = read_le(local.data() + 26, 2), extra_length = read_le(local.data() + 28, 2);
+    const std::string name = detail::read_at(in, record.offset + kLocalHeader, name_length, file_size, path);
+    record.data_offset = record.offset + kLocalHeader + name_length + extra_length;
+    if (name != record.name || record.data_offset > file_size || record.stored_size > file_size - record.data_offset) {
+      throw corrupt(concat("the record ", quote_untrusted(record.name), " whose local header names ",
+                           quote_untrusted(name), " and puts its ", record.stored_size, " bytes at byte ",
+                           record.data_offset, " of ", file_size));
+    }
+  }
   return records;
+}
+
+/// @brief The bytes of a stored (uncompressed) record of size at most `max_bytes`, read here from
+/// what read_zip_directory() checked: for the few records trainloop must see before libtorch's
+/// reader is made (its `version`).
+/// @throws trainloop::CheckpointError naming the file when the record is compressed or larger.
+inline std::string read_stored_record(const std::filesystem::path& path, const ZipRecord& record, uint64_t max_bytes) {
+  if (record.method != 0 || record.size > max_bytes) {
+    throw CheckpointError(detail::concat("trainloop: ", path.string(), " has the record ", quote_untrusted(record.name),
+                                         " of ", record.size, " bytes (zip method ", record.method,
+                                         "); expected at most ", max_bytes, " bytes, stored"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  in.seekg(0, std::ios::end);
+  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+  return detail::read_at(in, record.data_offset, record.size, file_size, path);
 }
 
 }  // namespace trainloop::serialization
