@@ -613,24 +613,6 @@ BOOST_AUTO_TEST_CASE(worst_files_stay_within_the_stated_memory_and_time) {
   }
 }
 
-namespace {
-/// `source` (a TorchScript archive) rewritten with its constants.pkl replaced by `pickle`.
-void with_constants(const fs::path& source, const fs::path& target, const std::string& pickle) {
-  caffe2::serialize::PyTorchStreamReader reader(source.string());
-  BOOST_REQUIRE(reader.hasRecord("constants.pkl"));
-  caffe2::serialize::PyTorchStreamWriter writer(target.string());
-  for (const auto& name : reader.getAllRecords()) {
-    if (name == "constants.pkl") {
-      writer.writeRecord(name, pickle.data(), pickle.size());
-    } else {
-      auto [data, size] = reader.getRecord(name);
-      writer.writeRecord(name, data.get(), size);
-    }
-  }
-  writer.writeEndOfFile();
-}
-}  // namespace
-
 BOOST_AUTO_TEST_CASE(torchscript_pickles_nested_top_down_never_reach_libtorch) {
   // constants.pkl of a TorchScript archive, replaced by a chain of 10^6 lists built from the
   // outside in: libtorch's unpickler (which recurses) overflowed its stack on it once trainloop's
@@ -639,7 +621,7 @@ BOOST_AUTO_TEST_CASE(torchscript_pickles_nested_top_down_never_reach_libtorch) {
   TempDir dir;
   SmallNet model;
   torch::save(model, (dir.path / "module.pt").string());
-  with_constants(dir.path / "module.pt", dir.path / "deep.pt", chain_built_top_down(1000000).stop().bytes);
+  rewrite_archive(dir.path / "module.pt", dir.path / "deep.pt", "constants.pkl", chain_built_top_down(1000000).stop().bytes);
   const std::string expected = "nests containers more than 256 deep";
   BOOST_TEST(contains(error_of([&] { interop::ScriptModule(dir.path / "deep.pt"); }), expected));
   BOOST_TEST(contains(error_of([&] { trainloop::detail::CheckpointFile(dir.path / "deep.pt", std::nullopt); }), expected));
