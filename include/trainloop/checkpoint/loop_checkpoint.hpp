@@ -44,9 +44,7 @@ inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
     if (resume.required && !resume.description.empty()) {
       throw CheckpointError(concat("trainloop: no checkpoint to resume from at ", resume.description));
     }
-    if (!resume.description.empty() && is_main) {
-      std::cerr << "trainloop: no checkpoint at " << resume.description << " yet; training from the start\n";
-    }
+    say_fresh_start(resume, is_main);
     return false;
   }
   for (size_t i = 0; i < resume.candidates.size(); ++i) {

@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,14 @@ inline ResumeSpec resolve_resume(const std::string& resume, const CheckpointSour
   }
   spec.candidates = {wanted};
   return spec;
+}
+
+/// Says on stderr (on the main process) that `resume` found no checkpoint yet and training starts
+/// fresh; nothing when nothing was asked for.
+inline void say_fresh_start(const ResumeSpec& resume, bool is_main) {
+  if (!resume.description.empty() && is_main) {
+    std::cerr << "trainloop: no checkpoint at " << resume.description << " yet; training from the start\n";
+  }
 }
 
 /// The same, finding the CheckpointSource among `components` (the last one given wins).

@@ -90,9 +90,7 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloo
         // fails with the CheckpointError (training on would overwrite the files it could not read).
         ::trainloop::detail::ResumeSpec from = resume;
         if (from.candidates.empty()) {  // resolve_resume() gives none only where a fresh start is allowed
-          if (!from.description.empty() && env.rank == 0) {
-            std::cerr << "trainloop: no checkpoint at " << from.description << " yet; training from the start\n";
-          }
+          ::trainloop::detail::say_fresh_start(from, env.rank == 0);
           from = ::trainloop::detail::ResumeSpec{{run_dir / "initial.ckpt"}, true, false, "", /*announce=*/false};
         }
         actions.train(from);
