@@ -9,6 +9,8 @@
 /// | CommunicationError   | the rendezvous or a collective failed (a peer died, a timeout)        |
 /// | CheckpointError      | a checkpoint cannot be read, does not fit, or cannot be written       |
 /// | RankFailedError      | a rank this process launched failed; names the rank and how it ended  |
+/// | StallError           | a rank made no progress for the stall limit while others waited on it |
+/// | DesyncError          | ranks called different collectives; names both calls and their steps  |
 ///
 /// Errors that are not trainloop's keep their type: a libtorch error (`c10::Error`, e.g.
 /// `c10::OutOfMemoryError`) thrown by the model or the criterion reaches the caller as that same
@@ -47,6 +49,21 @@ class CheckpointError : public ConfigurationError {
 /// @brief The rendezvous or a collective failed: an unreachable master, a port in use, a peer
 /// that died, a timeout. Usually a consequence of a failure elsewhere in the job.
 class CommunicationError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// @brief A rank made no progress for the stall limit while the others waited for it in a
+/// collective (distributed/watch/stall_watchdog.hpp). The stalled rank's report names its step,
+/// phase and stack; the waiting ranks end with one that names the stalled rank.
+class StallError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// @brief Ranks called different collectives as their n-th (another kind, dtype, size, root or
+/// step): a rank skipped one, or called one the others did not. Names both calls.
+class DesyncError : public Error {
  public:
   using Error::Error;
 };

@@ -14,6 +14,9 @@
 set(layers
   "error.hpp=0" "version.hpp=0" "history.hpp=0"
   "detail=10"
+  # Where this process is (the beacon the loop sets, collectives' fingerprints, thread stacks):
+  # below everything that reports progress, the data loader included.
+  "progress=15"
   "cpu=20" "data=20" "metrics=20" "nn=20" "optim=20" "precision=20"
   "model_contract.hpp=30" "options.hpp=30"
   "serialization=30"
@@ -30,6 +33,8 @@ set(layers
   # report); the spawn relay; ZeRO's optimizer shard; DDP's gradient reduction and comm hooks.
   "distributed/job=90" "replicas=90" "callbacks=90"
   "distributed/comm=100" "distributed/launch=100"
+  # The stall watchdog: publishes the beacon through the store, reports as a failed rank does.
+  "distributed/watch=105"
   "distributed/zero=110" "distributed/spawn=110"
   "distributed/ddp=120"
   "gpu_mode=130"

@@ -8,6 +8,7 @@
 
 #include <trainloop/data/pinned_batch.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
@@ -270,7 +271,13 @@ class BatchLoader {
     // libtorch sets a thread's OpenMP count lazily from a process-wide value that a worker's
     // at::set_num_threads(1) changes: read ours first, so the training thread keeps its count.
     at::get_num_threads();
-    for (size_t i = 0; i < workers; ++i) workers_.emplace_back([this] { work(); });
+    for (size_t i = 0; i < workers; ++i) {
+      workers_.emplace_back([this, i] {
+        // A stall report shows the workers' stacks while the training thread waits for a batch.
+        progress::RegisteredThread registered(progress::progress_beacon().threads(), "loader worker", static_cast<int>(i));
+        work();
+      });
+    }
   }
 
   void stop() {

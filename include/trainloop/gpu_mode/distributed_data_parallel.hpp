@@ -24,6 +24,8 @@
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/launcher.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
+#include <trainloop/distributed/watch/stall_options.hpp>
+#include <trainloop/distributed/watch/stall_watchdog.hpp>
 #include <trainloop/distributed/zero/sharded_gradient_norm.hpp>
 #include <trainloop/distributed/zero/sharded_units.hpp>
 #include <trainloop/distributed/zero/sharding.hpp>
@@ -111,6 +113,10 @@ struct DistributedDataParallel {
   TORCH_ARG(std::vector<std::string>, sharding_units) = {};
   /// Limit for joining the group and for each collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+  /// When a rank that makes no progress is named, and what happens then (distributed/watch/):
+  /// by default after 60 s (or 10x the slowest step), ending the job; TRAINLOOP_STALL_LIMIT
+  /// (seconds or "off") and TRAINLOOP_STALL_ACTION (fail|report) override it.
+  TORCH_ARG(distributed::StallWatchOptions, stall_watch) = {};
   /// Seconds the launcher waits after SIGTERM before SIGKILL when a rank failed.
   TORCH_ARG(std::chrono::milliseconds, kill_grace_period) = std::chrono::seconds(3);
   /// Broadcast rank 0's buffers (BatchNorm running statistics) after every optimizer step.
@@ -147,6 +153,7 @@ struct DistributedDataParallel {
                     " nodes needs an explicit master port (every node must use the same); got 0");
     TRAINLOOP_CHECK(timeout_.count() > 0, "timeout is ", timeout_.count(),
                     " ms; expected a positive limit for joining the group and for each collective");
+    distributed::stall_options_from_environment(stall_watch_).validate(timeout_);
     TRAINLOOP_CHECK(max_restarts_ >= 0, "max_restarts is ", max_restarts_, "; expected 0 or more");
     TRAINLOOP_CHECK(kill_grace_period_.count() >= 0, "kill_grace_period is ", kill_grace_period_.count(),
                     " ms; expected 0 or more");
@@ -221,6 +228,8 @@ class DistributedDataParallelEngine {
     options.device = device_;
     options.timeout = mode_.timeout();
     group_ = &distributed::session_process_group(options);
+    // Every launcher's ranks pass here: spawned, torchrun, srun, mpirun.
+    distributed::start_stall_watchdog(distributed::detail::session_group().options, *env_, mode_.stall_watch());
     if (!spawned()) {
       distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
       synced_since_join_ = true;

@@ -28,6 +28,7 @@
 #include <trainloop/optim/optimizer_state_bytes.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/autocast.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <torch/torch.h>
 
@@ -113,11 +114,17 @@ class EpochTrainer {
     } end_pass{run};
     run.state.running_loss = [&sums = *run.epoch_sums] { return sums.running_loss(); };
     run.state.last_loss = [&pass] { return pass.last_loss.value(); };
+    progress::ProgressBeacon& beacon = progress::progress_beacon();
+    beacon.set_phase(progress::Phase::LoadingBatch);
     auto loader = open_loader(engine, run, pass);
     Stopwatch waiting;
     auto next = loader.begin();
     for (int64_t k = 0; k < pass.plan.batches(); ++k) {
-      if (k > 0 && next != loader.end()) ++next;
+      beacon.set_position(run.state.epoch, pass.batches_done + k + 1, pass.batches);
+      if (k > 0 && next != loader.end()) {
+        beacon.set_phase(progress::Phase::LoadingBatch);
+        ++next;
+      }
       // None: this rank has no samples in micro-batch k (exact uneven batches, the epoch's last).
       std::optional<Batch> micro_batch;
       if (next != loader.end()) micro_batch.emplace(std::move(*next));
@@ -194,12 +201,16 @@ class EpochTrainer {
     pass.last_loss.start();
     if (micro_batch) {
       if constexpr (is_example_batch_v<Batch>) {
-        for (auto& cb : run.active) cb->on_train_batch(state, micro_batch->data, micro_batch->target);
+        notify_callbacks(run, "on_train_batch",
+                         [&](Callback& cb) { cb.on_train_batch(state, micro_batch->data, micro_batch->target); });
       }
       auto forward = [this, first = pass.first_batch, channels_last = pass.channels_last,
                       device = engine.device()](Module& replica, const Batch& b) {
         AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
-        return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first);
+        progress::progress_beacon().set_phase(progress::Phase::Forward);
+        StepOutput out = forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first);
+        progress::progress_beacon().set_phase(progress::Phase::Backward);  // what every engine does next
+        return out;
       };
       auto sink = [&run, &pass](const StepOutput& out) {
         run.epoch_sums->add_loss(out.loss, out.samples);
@@ -218,7 +229,7 @@ class EpochTrainer {
     state.batch = index + 1;
     state.epoch_seconds = pass.seconds_before + pass.clock.seconds();
     state.fit_seconds = run.clock.seconds();
-    for (auto& cb : run.active) cb->on_batch_end(state);
+    notify_callbacks(run, "on_batch_end", [&](Callback& cb) { cb.on_batch_end(state); });
     return last_in_window;
   }
 
@@ -226,10 +237,14 @@ class EpochTrainer {
   /// and the agreed stop. Returns true when the pass ends here (a stop, or the fit's last step).
   template <class Engine>
   bool step(Engine& engine, FitRun& run, EpochPass& pass) {
+    // The last gradients' reduction, the step, on_step_end and the agreed stop.
+    progress::PhaseScope phase(progress::Phase::OptimizerStep);
     TrainState& state = run.state;
     const OptimizerStepRequest<Module> request{module_, optimizer_, run.scaler ? &*run.scaler : nullptr,
                                                options_.clip_grad_norm(), [&run] {
-                                                 for (auto& cb : run.active) cb->on_before_optimizer_step(run.state);
+                                                 notify_callbacks(run, "on_before_optimizer_step", [&](Callback& cb) {
+                                                   cb.on_before_optimizer_step(run.state);
+                                                 });
                                                }};
     pass.last_step = run_optimizer_step(engine, request);
     if (run.scaler) {
@@ -238,6 +253,7 @@ class EpochTrainer {
     }
     ++state.step;
     state.global_step = ++progress_.global_step;
+    progress::progress_beacon().step_completed(progress_.global_step);
     ++progress_.steps_into_epoch;
     if (options_.record_steps()) {
       progress_.history.steps.push_back(StepRecord{progress_.global_step, state.epoch, pass.last_step.learning_rate,
@@ -249,7 +265,7 @@ class EpochTrainer {
         pass.start_position + static_cast<uint64_t>(pass.plan.combined_samples_before(state.batch - pass.batches_done));
     progress_.seconds_into_epoch = pass.seconds_before + pass.clock.seconds();
     progress_.data_wait_into_epoch = pass.data_wait;
-    for (auto& cb : run.active) cb->on_step_end(state);
+    notify_callbacks(run, "on_step_end", [&](Callback& cb) { cb.on_step_end(state); });
     // Every rank agrees whether to stop after this step (one small collective per step).
     const bool stop = engine.any_rank(state.stop_requested);
     if (stop) progress_.history.stop_reason = agreed_stop_reason(state);

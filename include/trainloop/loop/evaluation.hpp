@@ -14,6 +14,7 @@
 #include <trainloop/loop/batch_memory_format.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 #include <trainloop/precision/autocast.hpp>
 
 #include <torch/torch.h>
@@ -42,6 +43,7 @@ EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyData
     return forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, false);
   };
   for (auto&& batch : loader) {
+    progress::progress_beacon().advance();  // a batch evaluated is progress
     engine.eval_batch(batch, forward, [&](const StepOutput& out) {
       sums.add_loss(out.loss, out.samples);
       if (out.output.defined() && out.target.defined()) sums.add_outputs(out.output, out.target);
@@ -90,6 +92,7 @@ torch::Tensor predict_dataset(Engine& engine, Module& module_, const data::AnyDa
   };
   std::vector<torch::Tensor> outputs;
   for (auto&& batch : loader) {
+    progress::progress_beacon().advance();
     engine.eval_batch(batch, forward, [&](const StepOutput& out) { outputs.push_back(out.output); });
   }
   module_.train(was_training);

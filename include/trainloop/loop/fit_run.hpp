@@ -11,11 +11,13 @@
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace trainloop::detail {
 
@@ -29,6 +31,7 @@ struct FitRun {
   DataShard shard;              ///< which part of the training set this process reads
   EpochBatchPlan full_plan;     ///< the micro-batches of a whole epoch (an epoch from its start follows it)
   CallbackList active;          ///< the callbacks that run on this process, in call order
+  std::vector<std::string> active_names;  ///< their state keys, as the stall watchdog names them
   int64_t end_step = 0;         ///< the global step at which the call ends (max without a step count)
   int64_t end_epoch = 0;        ///< the epoch after which the call ends (max when fitting by steps)
   TrainState state;             ///< what callbacks see
@@ -37,6 +40,17 @@ struct FitRun {
   std::optional<GradScaler> scaler;              ///< fp16's loss scaler
   std::optional<MetricAccumulator> epoch_sums;   ///< the current epoch's sums, while it trains
 };
+
+/// Calls `hook_call(callback)` for every active callback in order, each in the phase "callback"
+/// named "<its state key>::<hook>" (what a stall report says a rank is stuck in).
+template <class HookCall>
+void notify_callbacks(FitRun& run, const char* hook, HookCall&& hook_call) {
+  for (std::size_t i = 0; i < run.active.size(); ++i) {
+    const std::string& name = i < run.active_names.size() ? run.active_names[i] : std::string();
+    progress::PhaseScope phase(progress::Phase::Callback, name + "::" + hook);
+    hook_call(*run.active[i]);
+  }
+}
 
 /// What the History records as the reason of a stop all ranks agreed on: this rank's callback's
 /// reason, or that a callback on another rank asked (the reason text stays on that rank).

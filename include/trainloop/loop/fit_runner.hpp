@@ -35,6 +35,7 @@
 #include <trainloop/options.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
 #include <trainloop/precision/native_bf16.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <torch/torch.h>
 
@@ -80,6 +81,10 @@ class FitRunner {
   template <ModeEngine Engine>
   History fit(Engine& engine, const FitLength& length, const CallbackList& callbacks, const ResumeSpec& resume = {}) {
     check_fit_inputs(engine, callbacks);
+    // Where this process is, for the stall watchdog: setup until the first batch, idle after.
+    progress::RegisteredThread training_thread(progress::progress_beacon().threads(), "training thread");
+    progress::PhaseScope fit_phase(progress::Phase::Setup);
+    progress::progress_beacon().restart_step_clock();
     engine.begin_fit(optimizer_);
     // What lives only during this fit (DDP's gradient hooks, the run's state) goes with it, also
     // on an exception.
@@ -103,18 +108,21 @@ class FitRunner {
     const KeyedStates keyed = keyed_callbacks(callbacks);
     start_fit_call(resume_checkpoint(engine, resume, keyed), length);
     FitRun& run = begin_run(engine, length, callbacks, keyed);
+    progress::progress_beacon().set_global_step(progress_.global_step);
     std::exception_ptr error;
     try {
-      for (auto& cb : run.active) cb->on_fit_begin(run.state);
+      notify_callbacks(run, "on_fit_begin", [&](Callback& cb) { cb.on_fit_begin(run.state); });
       train_epochs(engine, run);
       progress_.fit_finished = true;
       run.visible = progress_.visible_history();
       unshard_parameters(engine);  // callbacks may read the weights (EarlyStopping restores its best)
-      for (auto& cb : run.active) cb->on_fit_end(run.state, run.visible);
+      notify_callbacks(run, "on_fit_end", [&](Callback& cb) { cb.on_fit_end(run.state, run.visible); });
     } catch (...) {
       error = std::current_exception();
     }
-    for (auto& cb : run.active) {
+    for (std::size_t i = 0; i < run.active.size(); ++i) {
+      const auto& cb = run.active[i];
+      progress::PhaseScope phase(progress::Phase::Callback, run.active_names[i] + "::on_fit_finally");
       try {
         cb->on_fit_finally(run.state, error);
       } catch (...) {
@@ -128,12 +136,16 @@ class FitRunner {
   /// Loss and metrics over `dataset`, this process's shard, reduced over every rank.
   template <ModeEngine Engine>
   EvalResult evaluate(Engine& engine, const data::AnyDataset<Batch>& dataset) {
+    progress::RegisteredThread training_thread(progress::progress_beacon().threads(), "training thread");
+    progress::PhaseScope phase(progress::Phase::Evaluation);
     return evaluate_dataset<Module, Batch>(engine, module_, dataset, criterion_, options_);
   }
 
   /// The model's outputs for every sample of `dataset`, in dataset order, on every rank.
   template <ModeEngine Engine>
   torch::Tensor predict(Engine& engine, const data::AnyDataset<Batch>& dataset) {
+    progress::RegisteredThread training_thread(progress::progress_beacon().threads(), "training thread");
+    progress::PhaseScope phase(progress::Phase::Evaluation, "predict");
     return predict_dataset<Module, Batch>(engine, module_, dataset, options_);
   }
 
@@ -142,6 +154,7 @@ class FitRunner {
   template <ModeEngine Engine>
   void save_checkpoint(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path,
                        bool writes) {
+    progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
     // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
     const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
     TrainingProgress snapshot = progress_;
@@ -170,6 +183,7 @@ class FitRunner {
   template <ModeEngine Engine>
   void load_checkpoint(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks,
                        bool restore_rng) {
+    progress::PhaseScope phase(progress::Phase::CheckpointRead, path.filename().string());
     std::optional<torch::Device> device;
     if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
     CheckpointFile file(path, device);
@@ -232,6 +246,7 @@ class FitRunner {
       if (!cb->main_process_only() || engine.is_main()) run.active.push_back(cb);
     }
     std::stable_partition(run.active.begin(), run.active.end(), [](const auto& cb) { return !cb->runs_after_others(); });
+    for (const auto& cb : run.active) run.active_names.push_back(cb->state_key());
     if (options_.precision() == Precision::fp16) {
       run.scaler.emplace(options_.grad_scaler());
       if (progress_.grad_scaler_state.defined()) run.scaler->load_state(progress_.grad_scaler_state);
@@ -293,7 +308,7 @@ class FitRunner {
     while (!stopped && progress_.epochs_completed < run.end_epoch && progress_.global_step < run.end_step) {
       state.epoch = progress_.epochs_completed + 1;
       state.stop_requested = false;
-      for (auto& cb : run.active) cb->on_epoch_begin(state);
+      notify_callbacks(run, "on_epoch_begin", [&](Callback& cb) { cb.on_epoch_begin(state); });
       const bool epoch_done = with_error_context([&] { return epochs.run(engine, run); }, [&] {
         return concat("trainloop: while training epoch ", state.epoch, ", after batch ", state.batch, " of ",
                       state.batches_per_epoch, " (rank ", engine.rank(), ")");
@@ -310,12 +325,15 @@ class FitRunner {
     TrainState& state = run.state;
     EpochRecord& record = progress_.history.epochs.back();
     if (validation_.has_value()) {
-      record.validation = evaluate(engine, validation_);
-      for (auto& cb : run.active) cb->on_validation_end(state, *record.validation);
+      {
+        progress::PhaseScope phase(progress::Phase::Evaluation, "validation");
+        record.validation = evaluate_dataset<Module, Batch>(engine, module_, validation_, criterion_, options_);
+      }
+      notify_callbacks(run, "on_validation_end", [&](Callback& cb) { cb.on_validation_end(state, *record.validation); });
     }
     run.visible = progress_.visible_history();
     unshard_parameters(engine);  // every rank, after the epoch: callbacks may read or keep the weights
-    for (auto& cb : run.active) cb->on_epoch_end(state, progress_.history.epochs.back());
+    notify_callbacks(run, "on_epoch_end", [&](Callback& cb) { cb.on_epoch_end(state, progress_.history.epochs.back()); });
     TRAINLOOP_CHECK(!options_.stop_on_non_finite_loss() || std::isfinite(record.train_loss),
                     "the training loss of epoch ", record.epoch, " is ", record.train_loss,
                     "; expected a finite number (lower the learning rate, or turn off stop_on_non_finite_loss)");

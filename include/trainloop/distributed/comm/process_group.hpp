@@ -9,7 +9,10 @@
 /// c10d section of detail/torch_compat.hpp).
 ///
 /// Every collective must be called in the same order with the same shapes on every rank; calls
-/// from several threads of one rank must be serialised by the caller.
+/// from several threads of one rank must be serialised by the caller. Each is numbered and
+/// fingerprinted as it is issued (progress/collective_log.hpp): the stall watchdog compares the
+/// ranks' calls, and a collective that fails between ranks that called different ones throws
+/// DesyncError naming both calls instead of the backend's words.
 
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/padded_rows.hpp>
@@ -17,6 +20,7 @@
 #include <trainloop/distributed/comm/backend_factory.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -91,7 +95,7 @@ class ProcessGroup {
     for_each_flat_group(tensors, [&](const torch::Tensor& flat) {
       std::vector<torch::Tensor> list{flat};
       return native_checked()->allreduce(list, allreduce_options(::c10d::ReduceOp::SUM));
-    }, "all_reduce_sum");
+    }, "all_reduce_sum", progress::CollectiveKind::AllReduceSum);
   }
 
   /// Starts summing `tensor` over all ranks in place and returns at once; pass the handle to
@@ -103,7 +107,8 @@ class ProcessGroup {
                     "; got one on ", tensor.device(), tensor.is_contiguous() ? "" : " (non-contiguous)");
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> list{tensor};
-    return native_checked()->allreduce(list, allreduce_options(::c10d::ReduceOp::SUM));
+    const std::uint64_t seq = log_call(progress::CollectiveKind::AllReduceSum, tensor);
+    return launched(seq, "all_reduce_sum_async", [&] { return native_checked()->allreduce(list, allreduce_options(::c10d::ReduceOp::SUM)); });
   }
 
   /// Element-wise maximum over all ranks, in place (e.g. "any rank wants to stop" flags).
@@ -119,7 +124,7 @@ class ProcessGroup {
       options.rootRank = root;
       options.timeout = timeout_;
       return native_checked()->broadcast(list, options);
-    }, "broadcast");
+    }, "broadcast", progress::CollectiveKind::Broadcast, root);
   }
 
   /// Single-tensor broadcast from `root`.
@@ -136,7 +141,8 @@ class ProcessGroup {
     std::vector<torch::Tensor> inputs{input};
     ::c10d::AllgatherOptions options;
     options.timeout = timeout_;
-    wait(native_checked()->allgather(outputs, inputs, options), "all_gather");
+    const std::uint64_t seq = log_call(progress::CollectiveKind::AllGather, input);
+    wait(launched(seq, "all_gather", [&] { return native_checked()->allgather(outputs, inputs, options); }), "all_gather");
     return torch::stack(outputs[0]).to(tensor.device());
   }
 
@@ -156,7 +162,8 @@ class ProcessGroup {
     ::c10d::GatherOptions options;
     options.rootRank = root;
     options.timeout = timeout_;
-    wait(native_checked()->gather(outputs, inputs, options), "gather");
+    const std::uint64_t seq = log_call(progress::CollectiveKind::Gather, input, root);
+    wait(launched(seq, "gather", [&] { return native_checked()->gather(outputs, inputs, options); }), "gather");
     std::vector<torch::Tensor> rows;
     if (rank_ == root) {
       for (auto& row : outputs[0]) rows.push_back(row.to(torch::kCPU));
@@ -193,7 +200,8 @@ class ProcessGroup {
       options.timeout = timeout_;
       WorkHandle work;
       try {
-        work = native_checked()->reduce_scatter(outputs, inputs, options);
+        const std::uint64_t seq = log_call(progress::CollectiveKind::ReduceScatter, flat_input);
+        work = logged(seq, native_checked()->reduce_scatter(outputs, inputs, options));
       } catch (const c10::Error&) {
         // Gloo 1.13 refuses reduce_scatter before sending anything, so every rank falls back alike.
         native_reduce_scatter_ = false;
@@ -238,7 +246,8 @@ class ProcessGroup {
     std::vector<torch::Tensor> inputs{input.reshape({-1})};
     ::c10d::AllgatherOptions options;
     options.timeout = timeout_;
-    return native_checked()->allgather(outputs, inputs, options);
+    const std::uint64_t seq = log_call(progress::CollectiveKind::AllGather, input);
+    return launched(seq, "all_gather_into", [&] { return native_checked()->allgather(outputs, inputs, options); });
   }
 
   /// Blocks until every rank has reached the barrier.
@@ -246,28 +255,54 @@ class ProcessGroup {
     ::c10d::BarrierOptions options;
     options.timeout = timeout_;
     if (backend_kind_ == Backend::Nccl && device_.has_index()) options.device_ids = {device_.index()};
-    wait(native_checked()->barrier(options), "barrier");
+    const std::uint64_t seq = log_call(progress::CollectiveKind::Barrier, torch::Tensor());
+    wait(launched(seq, "barrier", [&] { return native_checked()->barrier(options); }), "barrier");
   }
 
   /// Waits for an asynchronous collective; a failure (peer died, timeout) becomes a
-  /// trainloop::CommunicationError naming `what`, this rank and the timeout; running out of
-  /// memory stays a c10::OutOfMemoryError (with that context added).
+  /// trainloop::CommunicationError naming `what`, this rank and the timeout — or a
+  /// trainloop::DesyncError naming both calls when the stall watchdog finds that the ranks called
+  /// different collectives; running out of memory stays a c10::OutOfMemoryError (with that
+  /// context added). While it blocks, the stall watchdog sees which collective it waits for.
   void wait(const WorkHandle& work, const char* what = "collective") const {
+    progress::CollectiveLog& log = progress::progress_beacon().collectives();
+    std::uint64_t seq = log.seq_of(work.get());
+    if (seq == 0) seq = log.issued();
+    log.begin_wait(seq, what);
+    struct EndWait {
+      progress::CollectiveLog& log;
+      std::uint64_t seq;
+      ~EndWait() { log.end_wait(seq); }
+    } end_wait{log, seq};
     try {
       work->wait();
+    } catch (...) {
+      rethrow_collective_failure(seq, what);
+    }
+  }
+
+ private:
+  /// Turns the exception being handled, of collective `seq`, into what wait() documents.
+  [[noreturn]] void rethrow_collective_failure(std::uint64_t seq, const char* what) const {
+    try {
+      throw;
     } catch (const c10::OutOfMemoryError&) {
       // Not a communication failure: the caller may react to it (a smaller batch).
       ::trainloop::detail::rethrow_with_context(::trainloop::detail::concat(
           "trainloop: ", what, " on rank ", rank_, " of ", world_size_, " ran out of memory"));
     } catch (const std::exception& error) {
+      if (auto desync = progress::progress_beacon().collectives().explain_failure(seq)) {
+        throw DesyncError(::trainloop::detail::concat("trainloop: ", what, " failed on rank ", rank_, " of ",
+                                                      world_size_, ": ", *desync));
+      }
       throw CommunicationError(::trainloop::detail::concat(
           "trainloop: ", what, " failed on rank ", rank_, " of ", world_size_, " (", to_string(backend_kind_),
           ", timeout ", timeout_.count(), " ms; did another rank fail or call a different collective?): ",
           error.what()));
     }
+    throw;  // not a std::exception: as it is
   }
 
- private:
   const c10::intrusive_ptr<::trainloop::detail::CollectiveBackend>& native_checked() const {
     TRAINLOOP_CHECK(backend_, "collective on an empty ProcessGroup; expected one made by ProcessGroup::create()");
     return backend_;
@@ -288,6 +323,28 @@ class ProcessGroup {
                     world_size_);
   }
 
+  /// Numbers and fingerprints a collective as it is issued (progress/collective_log.hpp).
+  static std::uint64_t log_call(progress::CollectiveKind kind, const torch::Tensor& sent, int root = -1) {
+    progress::ProgressBeacon& beacon = progress::progress_beacon();
+    return beacon.collectives().issue(kind, sent.defined() ? std::string(c10::toString(sent.scalar_type())) : "",
+                                      sent.defined() ? sent.numel() : 0, root, beacon.global_step());
+  }
+  /// Ties collective `seq` to its handle, so a wait on it says which collective it waits for.
+  static WorkHandle logged(std::uint64_t seq, WorkHandle work) {
+    progress::progress_beacon().collectives().set_work(seq, work.get());
+    return work;
+  }
+  /// Issues collective `seq` with `launch` and ties it to its handle; a backend that fails at
+  /// once (Gloo finds a size mismatch while the call is issued) fails as wait() does.
+  template <class Launch>
+  WorkHandle launched(std::uint64_t seq, const char* what, Launch&& launch) const {
+    try {
+      return logged(seq, std::forward<Launch>(launch)());
+    } catch (...) {
+      rethrow_collective_failure(seq, what);
+    }
+  }
+
   ::c10d::AllreduceOptions allreduce_options(::c10d::ReduceOp op) const {
     ::c10d::AllreduceOptions options;
     options.reduceOp = op;
@@ -306,7 +363,10 @@ class ProcessGroup {
     torch::NoGradGuard no_grad;
     torch::Tensor work_tensor = staged(tensor);
     std::vector<torch::Tensor> list{work_tensor};
-    wait(native_checked()->allreduce(list, allreduce_options(op)), what);
+    const std::uint64_t seq = log_call(
+        op == ::c10d::ReduceOp::MAX ? progress::CollectiveKind::AllReduceMax : progress::CollectiveKind::AllReduceSum,
+        work_tensor);
+    wait(launched(seq, what, [&] { return native_checked()->allreduce(list, allreduce_options(op)); }), what);
     if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
   }
 
@@ -321,7 +381,8 @@ class ProcessGroup {
   /// the smaller ones, waits for all, and copies results back. The split depends only on sizes
   /// and dtypes, so ranks with equal shapes issue identical collectives in identical order.
   template <class Launch>
-  void for_each_flat_group(const std::vector<torch::Tensor>& tensors, Launch&& launch, const char* what) {
+  void for_each_flat_group(const std::vector<torch::Tensor>& tensors, Launch&& launch, const char* what,
+                           progress::CollectiveKind kind, int root = -1) {
     torch::NoGradGuard no_grad;
     std::vector<std::vector<std::size_t>> groups;  // each: tensor indices sharing one collective
     std::map<std::pair<int, std::string>, std::size_t> group_of_key;
@@ -349,7 +410,8 @@ class ProcessGroup {
         for (std::size_t i : group) pieces.push_back(tensors[i].reshape({-1}).to(communication_device()));
         buffers.push_back(torch::cat(pieces));
       }
-      works.push_back(launch(buffers.back()));
+      const std::uint64_t seq = log_call(kind, buffers.back(), root);
+      works.push_back(launched(seq, what, [&] { return launch(buffers.back()); }));
     }
     for (std::size_t g = 0; g < groups.size(); ++g) {
       wait(works[g], what);

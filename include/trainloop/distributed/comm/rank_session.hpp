@@ -11,6 +11,7 @@
 #include <trainloop/distributed/job/main_process.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <mutex>
 #include <optional>
@@ -80,6 +81,8 @@ decltype(auto) rank0_first(F&& f) {
   const auto& env = distributed::detail::cached_rank_env();
   if (!env) return std::forward<F>(f)();
   if (env->rank == 0) {
+    // Rank 0 works alone while the others wait in the barrier: not a stall.
+    progress::PhaseScope phase(progress::Phase::RankZeroFirst);
     struct BarrierAfter {
       ~BarrierAfter() noexcept(false) {
         if (std::uncaught_exceptions() == 0) barrier();

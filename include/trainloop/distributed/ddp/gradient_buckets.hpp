@@ -9,6 +9,7 @@
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/ddp/gradient_comm_hook.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/collective_log.hpp>
 
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
@@ -196,6 +197,8 @@ struct ReducerState {
         ++comm_handed;
         comm_changed.notify_all();
       } else {
+        const progress::CollectiveLabel label("gradient bucket", static_cast<int>(next_to_launch),
+                                              static_cast<int>(buckets.size()));
         bucket.work = group.all_reduce_sum_async(bucket.flat);
         const std::int64_t sent = ring_all_reduce_bytes(
             bucket.flat.numel() * static_cast<std::int64_t>(bucket.flat.element_size()), group.world_size());
@@ -230,6 +233,8 @@ struct ReducerState {
         try {
           c10::OptionalDeviceGuard on_device;
           if (flat.is_cuda()) on_device.reset_device(flat.device());
+          const progress::CollectiveLabel label("gradient bucket", static_cast<int>(index),
+                                                static_cast<int>(buckets.size()));
           future = running->launch(group, index, flat);
           future.run_rounds([this](const WorkHandle& work) { group.wait(work, "gradient comm hook round"); });
           sent = running->bytes_sent(index, flat, group.world_size());

@@ -10,6 +10,7 @@
 /// | trainloop::CheckpointError     | CheckpointError, the RankFailedError nested      | CheckpointError            |
 /// | trainloop::ConfigurationError  | ConfigurationError, the RankFailedError nested   | ConfigurationError         |
 /// | trainloop::CommunicationError  | CommunicationError, the RankFailedError nested   | CommunicationError         |
+/// | trainloop::StallError, trainloop::DesyncError | that class, the RankFailedError nested | that class |
 /// | trainloop::RankFailedError     | RankFailedError (the rank launched ranks itself) | RankFailedError, details kept |
 /// | anything else                  | RankFailedError                                  | trainloop::Error           |
 ///
@@ -62,8 +63,8 @@ constexpr RelayedException relayed(const char* name) {
 
 /// Most derived first: the first entry that matches an exception names it. RankFailedError is
 /// not in it (its details need more than a message; see the functions below).
-inline const std::array<RelayedException, 9>& relayed_exceptions() {
-  static const std::array<RelayedException, 9> table{
+inline const std::array<RelayedException, 11>& relayed_exceptions() {
+  static const std::array<RelayedException, 11> table{
       relayed<c10::OutOfMemoryError>("c10::OutOfMemoryError"),
       relayed<c10::IndexError>("c10::IndexError"),
       relayed<c10::ValueError>("c10::ValueError"),
@@ -73,6 +74,8 @@ inline const std::array<RelayedException, 9>& relayed_exceptions() {
       relayed<CheckpointError>("trainloop::CheckpointError"),
       relayed<ConfigurationError>("trainloop::ConfigurationError"),
       relayed<CommunicationError>("trainloop::CommunicationError"),
+      relayed<StallError>("trainloop::StallError"),
+      relayed<DesyncError>("trainloop::DesyncError"),
   };
   return table;
 }

@@ -39,6 +39,7 @@
 #include <trainloop/distributed/zero/units.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/collective_log.hpp>
 
 #include <ATen/record_function.h>
 #include <torch/torch.h>
@@ -380,6 +381,7 @@ class ShardedUnits {
       parameter.mutable_grad().reset();
     }
     input.mul_(1.0 / group_.world_size());  // the average, scaled before the sum as the gradient reducer does
+    const progress::CollectiveLabel label("gradients of unit", static_cast<int>(u), static_cast<int>(shard_.unit_count()));
     group_.reduce_scatter_sum(input, chunk);
   }
 

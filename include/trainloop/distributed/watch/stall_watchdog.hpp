@@ -1,0 +1,503 @@
+#pragma once
+/// @file
+/// @brief trainloop::distributed::StallWatchdog: one thread per rank that names a rank which hangs
+/// (rather than dies) within the stall limit, and ranks that call different collectives at the
+/// collective where they part — instead of every rank waiting out the collective timeout.
+///
+/// Each period (a tenth of the limit, 0.2 to 1 s) a rank's watchdog:
+/// - publishes its record (rank_record.hpp) to the job's store: one `set`;
+/// - compares its last collectives with the next rank's record: one `get`. Every rank checks its
+///   successor, so all ranks agree when each pair does: a desync is found within a period of the
+///   collective where the ranks part (a skipped collective, another kind, dtype or size);
+/// - when its own progress has stopped for the limit (outside a collective wait, inside fit,
+///   evaluate or predict), reads every rank's record: if another rank issued more collectives (it
+///   waits for this one) or every rank is stuck, this rank stalled — it takes its training thread's
+///   stack (progress/thread_stack.hpp) and reports; with StallAction::Fail it ends as a failed rank
+///   does (its report in the launcher's files, exit status 1), and the waiting ranks, seeing its
+///   verdict in the store, end too (so srun and mpirun, which may wait for every task, end at once);
+/// - when it has waited in a collective for twice the limit without a verdict, reads every record
+///   and names a rank whose watchdog stopped publishing (a process stopped or frozen) or that is
+///   behind it, from outside (no stack).
+/// Nothing runs per step: the loop only sets the beacon's atomics.
+///
+/// The store connection is its own (a TCPStore client of the job's store, under the process
+/// group's prefix + "/watch"), so the watchdog never waits behind the backend's use of the store.
+/// Outside fit, evaluate and predict (phase idle) nothing is judged a stall: a rank working alone
+/// before a barrier is a program's choice. Desyncs are judged everywhere.
+
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/comm/rendezvous.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/launch/failure_report.hpp>
+#include <trainloop/distributed/watch/rank_record.hpp>
+#include <trainloop/distributed/watch/stall_options.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
+#include <trainloop/progress/thread_stack.hpp>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+namespace trainloop::distributed {
+
+/// The watchdog of one rank (see the file comment). Made by start_stall_watchdog().
+class StallWatchdog {
+ public:
+  /// Connects its own store client and starts the thread.
+  /// @param group_options the options the rank's process group was made with (address, prefix)
+  /// @param env who this rank is (for the launcher's failure files)
+  /// @param options when a rank is stalled, and what happens then
+  StallWatchdog(const ProcessGroupOptions& group_options, RankEnv env, StallWatchOptions options)
+      : env_(std::move(env)), options_(options), timeout_(group_options.timeout), rank_(group_options.rank),
+        world_size_(group_options.world_size) {
+    ProcessGroupOptions client = group_options;
+    client.is_store_server = false;
+    client.timeout = std::min<std::chrono::milliseconds>(group_options.timeout, std::chrono::seconds(60));
+    store_ = c10::make_intrusive<::c10d::PrefixStore>(group_options.store_prefix + "/watch", connect_store(client));
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    host_ = host;
+    progress::install_stack_capture();
+    progress::progress_beacon().collectives().set_failure_explainer(
+        [this](std::uint64_t seq) { return explain_failed_collective(seq); });
+    thread_ = std::thread([this] { run(); });
+    // A backend that finds a mismatch in its own thread (Gloo: "Received data size doesn't match")
+    // ends the process through std::terminate: name the desync there too.
+    instance() = this;
+    previous_terminate() = std::set_terminate(&StallWatchdog::on_terminate);
+  }
+  StallWatchdog(const StallWatchdog&) = delete;
+  StallWatchdog& operator=(const StallWatchdog&) = delete;
+  /// Stops and joins the thread.
+  ~StallWatchdog() {
+    std::set_terminate(previous_terminate());
+    instance() = nullptr;
+    progress::progress_beacon().collectives().set_failure_explainer({});
+    {
+      std::lock_guard<std::mutex> lock(stop_mutex_);
+      stopping_ = true;
+    }
+    stop_changed_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// The options it judges by.
+  const StallWatchOptions& options() const { return options_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  static StallWatchdog*& instance() {
+    static StallWatchdog* watchdog = nullptr;
+    return watchdog;
+  }
+  static std::terminate_handler& previous_terminate() {
+    static std::terminate_handler handler = nullptr;
+    return handler;
+  }
+  /// An exception escaped a thread (or main): if the ranks called different collectives as this
+  /// rank's last one, that is the report; otherwise the handler that was there before.
+  static void on_terminate() {
+    StallWatchdog* self = instance();
+    if (self != nullptr && std::current_exception()) {
+      std::string backend_error = "an exception that is not a std::exception";
+      try {
+        std::rethrow_exception(std::current_exception());
+      } catch (const std::exception& error) {
+        backend_error = error.what();
+      } catch (...) {
+      }
+      const std::uint64_t seq = progress::progress_beacon().collectives().issued();
+      if (auto desync = progress::progress_beacon().collectives().explain_failure(seq)) {
+        self->act("trainloop: " + *desync + "\n  the backend ended rank " + std::to_string(self->rank_) +
+                      " with: " + backend_error.substr(0, backend_error.find('\n')),
+                  "trainloop::DesyncError", /*consequence=*/false);
+      }
+    }
+    if (std::terminate_handler previous = previous_terminate()) previous();
+    std::abort();
+  }
+
+  /// The period: a tenth of the limit, between 0.2 and 1 s.
+  std::chrono::milliseconds period() const {
+    return std::clamp(options_.limit / 10, std::chrono::milliseconds(200), std::chrono::milliseconds(1000));
+  }
+
+  void run() {
+    int store_failures = 0;
+    std::unique_lock<std::mutex> lock(stop_mutex_);
+    while (!stop_changed_.wait_for(lock, period(), [this] { return stopping_; })) {
+      lock.unlock();
+      try {
+        tick();
+        store_failures = 0;
+      } catch (const std::exception&) {
+        // The store goes when rank 0 ends; a job that lost it has lost its collectives too.
+        if (++store_failures == 3) {
+          lock.lock();
+          return;
+        }
+      }
+      lock.lock();
+    }
+  }
+
+  static std::string record_key(int rank) { return "rank" + std::to_string(rank); }
+
+  /// This rank's record now, and whether it is stalled by its own measure.
+  RankRecord own_record(double* stale_out = nullptr) {
+    progress::ProgressBeacon& beacon = progress::progress_beacon();
+    const progress::ProgressSnapshot s = beacon.snapshot();
+    const progress::CollectiveLog::Waiting waiting = beacon.collectives().waiting();
+    const auto now = Clock::now();
+    if (s.progress != last_progress_ || !progress_seen_) {
+      last_progress_ = s.progress;
+      progress_seen_ = true;
+      progress_since_ = now;
+      reported_ = false;
+    }
+    RankRecord r;
+    r.rank = rank_;
+    r.pid = static_cast<long>(::getpid());
+    r.host = host_;
+    r.tick = ++tick_;
+    const bool judged = waiting.seq == 0 && s.phase != progress::Phase::Idle && s.phase != progress::Phase::RankZeroFirst;
+    r.stale_seconds = judged ? std::chrono::duration<double>(now - progress_since_).count() : 0.0;
+    r.limit_seconds = options_.limit_for(progress::is_checkpoint_phase(s.phase), s.steps_timed, s.slowest_step_seconds, timeout_);
+    r.epoch = s.epoch;
+    r.step = s.global_step;
+    r.batch = s.batch;
+    r.batches = s.batches;
+    r.phase = s.phase;
+    r.detail = s.detail;
+    r.issued = beacon.collectives().issued();
+    r.waiting_seq = waiting.seq;
+    r.waiting_what = waiting.what;
+    r.waiting_seconds = waiting.seconds;
+    r.calls = beacon.collectives().recent(RankRecord::kCalls);
+    if (stale_out != nullptr) *stale_out = r.stale_seconds;
+    return r;
+  }
+
+  void publish(const RankRecord& record) {
+    const std::string text = record.to_text();
+    std::lock_guard<std::mutex> lock(store_mutex_);
+    store_->set(record_key(rank_), std::vector<uint8_t>(text.begin(), text.end()));
+  }
+
+  std::optional<RankRecord> read_record(int rank) {
+    std::lock_guard<std::mutex> lock(store_mutex_);
+    if (!store_->check({record_key(rank)})) return std::nullopt;
+    const std::vector<uint8_t> bytes = store_->get(record_key(rank));
+    return RankRecord::parse(std::string(bytes.begin(), bytes.end()));
+  }
+
+  std::vector<RankRecord> read_all(const RankRecord& own) {
+    std::vector<RankRecord> records;
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) {
+        records.push_back(own);
+      } else if (auto record = read_record(r)) {
+        records.push_back(std::move(*record));
+        const auto now = Clock::now();
+        auto& seen = ticks_seen_[r];
+        if (seen.first != records.back().tick) seen = {records.back().tick, now};
+      }
+    }
+    return records;
+  }
+
+  /// The verdict another rank left ("stall"/"desync" and its first line), if any.
+  std::optional<std::string> read_verdict() {
+    std::lock_guard<std::mutex> lock(store_mutex_);
+    if (!store_->check({"verdict"})) return std::nullopt;
+    const auto bytes = store_->get("verdict");
+    return std::string(bytes.begin(), bytes.end());
+  }
+
+  /// Leaves this rank's verdict for the others (the first one stays).
+  void leave_verdict(const std::string& headline) {
+    std::lock_guard<std::mutex> lock(store_mutex_);
+    if (store_->add("verdicts", 1) == 1) store_->set("verdict", std::vector<uint8_t>(headline.begin(), headline.end()));
+  }
+
+  void tick() {
+    double stale = 0.0;
+    RankRecord own;
+    {
+      std::lock_guard<std::mutex> lock(tick_mutex_);
+      own = own_record(&stale);
+    }
+    publish(own);
+    if (world_size_ < 2) return;
+    // Desync: this rank's calls against its successor's.
+    if (auto next = read_record((rank_ + 1) % world_size_)) {
+      if (const std::uint64_t seq = first_mismatch(own, *next); seq != 0) return desync(own, *next, seq);
+    }
+    if (stale >= own.limit_seconds && !reported_) return judge_own_stall(own);
+    const double limit = own.limit_seconds;
+    // A rank blocked in a collective (Gloo), or stuck behind one on the device (NCCL's host waits in
+    // a synchronisation, not in the collective), follows another rank's verdict.
+    if ((own.waiting_seq != 0 && own.waiting_seconds >= std::min(limit, 2.0 * period_seconds())) ||
+        stale >= 2.0 * period_seconds()) {
+      if (auto verdict = read_verdict()) return follow_verdict(*verdict);
+    }
+    if (own.waiting_seq != 0 && own.waiting_seconds >= limit) {
+      // Keep the others' ticks in view from here on, to tell a frozen rank from a busy one.
+      const std::vector<RankRecord> records = read_all(own);
+      if (own.waiting_seconds >= 2.0 * limit + 5.0) judge_from_outside(own, records);
+    }
+  }
+
+  double period_seconds() const { return static_cast<double>(period().count()) / 1000.0; }
+
+  /// This rank made no progress for its limit: a stall if another rank waits for it (issued more
+  /// collectives) or every rank is stuck.
+  void judge_own_stall(const RankRecord& own) {
+    const std::vector<RankRecord> records = read_all(own);
+    std::vector<const RankRecord*> waiting;
+    bool every_rank_stuck = static_cast<int>(records.size()) == world_size_;
+    for (const auto& r : records) {
+      if (r.rank == rank_) continue;
+      if (r.issued > own.issued || r.waiting_seq > own.issued) waiting.push_back(&r);
+      if (r.stale_seconds < r.limit_seconds && r.waiting_seq == 0) every_rank_stuck = false;
+      if (r.waiting_seq != 0 && r.waiting_seq <= own.issued) every_rank_stuck = false;  // waits for another
+    }
+    if (waiting.empty() && !(every_rank_stuck && rank_ == lowest_stuck(records))) return;
+    reported_ = true;
+    std::ostringstream out;
+    out.precision(1);
+    out << std::fixed << "trainloop: rank " << rank_ << " stalled: no progress for " << own.stale_seconds
+        << " s (stall limit " << own.limit_seconds << " s) in " << own.position();
+    if (!waiting.empty()) {
+      out << ", while " << (waiting.size() == 1 ? "rank " : "ranks ");
+      for (std::size_t i = 0; i < waiting.size(); ++i) out << (i ? ", " : "") << waiting[i]->rank;
+      out << (waiting.size() == 1 ? " waits" : " wait") << " for it";
+    } else {
+      out << "; every rank is stuck";
+    }
+    out << "\n  rank " << rank_ << " (pid " << own.pid << " on " << own.host << "): last collective ";
+    if (!own.calls.empty()) out << own.calls.back().describe();
+    else out << "none";
+    for (const auto& r : records) {
+      if (r.rank == rank_) continue;
+      out << "\n  rank " << r.rank << " (pid " << r.pid << " on " << r.host << "): ";
+      if (r.waiting_seq != 0) out << r.blocked_in() << "; " << r.position();
+      else out << r.position() << ", no progress for " << r.stale_seconds << " s";
+    }
+    out << stacks_text(own.phase);
+    out << "\n  " << action_words();
+    const std::string report = out.str();
+    act(report, "trainloop::StallError", /*consequence=*/false);
+  }
+
+  static int lowest_stuck(const std::vector<RankRecord>& records) {
+    int lowest = 1 << 30;
+    for (const auto& r : records) lowest = std::min(lowest, r.rank);
+    return lowest;
+  }
+
+  /// The training thread's stack (and the loader workers' while it loads a batch).
+  std::string stacks_text(progress::Phase phase) {
+    std::ostringstream out;
+    for (const auto& thread : progress::progress_beacon().threads().list()) {
+      const bool training = thread.role == "training thread";
+      if (!training && phase != progress::Phase::LoadingBatch) continue;
+      out << "\n  rank " << rank_ << "'s " << thread.role << " (thread " << thread.tid << "), innermost call first:";
+      const auto frames = progress::capture_thread_stack(thread.tid, std::chrono::seconds(2));
+      if (!frames) {
+        out << "\n    (no answer within 2 s: the thread is in uninterruptible sleep, e.g. a read from a file "
+               "system that does not answer, or blocks the signal)";
+        continue;
+      }
+      const auto lines = progress::symbolize_stack(*frames);
+      for (std::size_t i = 0; i < lines.size() && i < 40; ++i) out << "\n    #" << i << " " << lines[i];
+    }
+    return out.str();
+  }
+
+  std::string action_words() const {
+    return options_.action == StallAction::Fail
+               ? "the job ends as for a failed rank (TRAINLOOP_STALL_ACTION=report reports and keeps waiting; "
+                 "TRAINLOOP_STALL_LIMIT sets the limit, \"off\" turns the watchdog off)"
+               : "the job keeps waiting (StallAction::Report); the collective timeout ends it if nothing moves";
+  }
+
+  /// Reports `report`, and with StallAction::Fail ends this process as a failed rank.
+  void act(const std::string& report, const char* type, bool consequence) {
+    if (options_.action == StallAction::Report) {
+      std::fprintf(stderr, "%s\n", report.c_str());
+      std::fflush(stderr);
+      return;
+    }
+    if (!consequence) {
+      const std::string headline = report.substr(0, report.find('\n'));
+      try {
+        leave_verdict(headline);
+      } catch (...) {
+      }
+    }
+    report_rank_failure(env_, FailureDescription{type, report, report, consequence});
+    if (env_.source != RankEnvSource::Trainloop) {
+      std::fprintf(stderr, "%s\n", report.c_str());  // torchrun, srun, mpirun: the rank's output carries it
+    }
+    std::fflush(nullptr);
+    ::_exit(1);  // the training thread is stuck: nothing else can end this process
+  }
+
+  /// Another rank reported: with StallAction::Fail this waiting rank ends too, a moment later (so
+  /// that launchers see the reporting rank end first and name it).
+  void follow_verdict(const std::string& verdict) {
+    if (options_.action == StallAction::Report) return;
+    const auto now = Clock::now();
+    if (!verdict_seen_) verdict_seen_ = now;
+    if (now - *verdict_seen_ < std::chrono::seconds(2)) return;
+    const bool desync = verdict.find("different collectives") != std::string::npos;
+    act("trainloop: rank " + std::to_string(rank_) + " ends because another rank reported: " + verdict,
+        desync ? "trainloop::DesyncError" : "trainloop::StallError", /*consequence=*/true);
+  }
+
+  /// Waited twice the limit with no verdict: name a rank that stopped publishing or is behind.
+  void judge_from_outside(const RankRecord& own, const std::vector<RankRecord>& records) {
+    const auto now = Clock::now();
+    for (const auto& r : records) {
+      if (r.rank == rank_ || r.issued >= own.waiting_seq) continue;
+      const auto seen = ticks_seen_.find(r.rank);
+      const double silent =
+          seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
+      std::ostringstream out;
+      out.precision(1);
+      out << std::fixed << "trainloop: rank " << r.rank << " stalled: rank " << rank_ << " has been "
+          << own.blocked_in() << " and rank " << r.rank << " never called it; ";
+      if (silent >= own.limit_seconds) {
+        out << "its watchdog has not published for " << silent
+            << " s (its process is stopped or frozen, or its host is down), so it cannot report itself";
+      } else {
+        out << "it did not report itself (its stall limit is " << r.limit_seconds << " s)";
+      }
+      out << "\n  rank " << r.rank << " (pid " << r.pid << " on " << r.host << "): " << r.position()
+          << ", last collective " << (r.calls.empty() ? std::string("none") : r.calls.back().describe())
+          << "\n  " << action_words();
+      act(out.str(), "trainloop::StallError", /*consequence=*/false);
+      return;
+    }
+  }
+
+  /// Two ranks' collective #seq differ.
+  void desync(const RankRecord& own, const RankRecord& other, std::uint64_t seq) {
+    if (desync_reported_) return;
+    desync_reported_ = true;
+    act(desync_text(own, other, seq), "trainloop::DesyncError", /*consequence=*/false);
+  }
+
+  static std::string desync_text(const RankRecord& a, const RankRecord& b, std::uint64_t seq) {
+    const RankRecord& low = a.rank < b.rank ? a : b;
+    const RankRecord& high = a.rank < b.rank ? b : a;
+    std::ostringstream out;
+    out << "trainloop: ranks " << low.rank << " and " << high.rank << " called different collectives as their collective #"
+        << seq << " (every rank must call the same collectives in the same order: a collective on some ranks "
+        << "only, a skipped step, a tensor of another shape or dtype?)";
+    for (const RankRecord* r : {&low, &high}) {
+      const progress::CollectiveCall* call = r->call(seq);
+      out << "\n  rank " << r->rank << ": "
+          << (call != nullptr ? call->describe() : "#" + std::to_string(seq) + " (older than its last calls)")
+          << "; now in " << r->position();
+      if (r->waiting_seq != 0) out << ", " << r->blocked_in();
+    }
+    // The calls before #seq agreed: the last common one shows where the ranks were in step.
+    if (seq > 1) {
+      if (const auto* before = low.call(seq - 1)) out << "\n  the ranks agreed up to " << before->describe();
+    }
+    return out.str();
+  }
+
+  /// For ProcessGroup::wait: a collective failed; if the ranks called different ones as #seq, the
+  /// words naming both calls. Publishes this rank's record at once, then reads the others' for up
+  /// to two periods (they publish within one).
+  std::optional<std::string> explain_failed_collective(std::uint64_t seq) {
+    if (world_size_ < 2 || seq == 0) return std::nullopt;
+    const auto mine = progress::progress_beacon().collectives().call(seq);
+    if (!mine) return std::nullopt;
+    RankRecord own;
+    {
+      std::lock_guard<std::mutex> lock(tick_mutex_);
+      own = own_record();
+    }
+    publish(own);
+    // The other ranks publish within a period; a rank that never issued #seq (it died, or is
+    // behind) is no desync. Reads at once, then after 0.1 s, 0.3 s and a period at most.
+    const auto started = Clock::now();
+    for (const auto pause : {std::chrono::milliseconds(0), std::chrono::milliseconds(100), std::chrono::milliseconds(200),
+                             period()}) {
+      std::this_thread::sleep_for(pause);
+      bool every_rank_seen = true;
+      for (int r = 0; r < world_size_; ++r) {
+        if (r == rank_) continue;
+        const auto other = read_record(r);
+        if (!other || other->issued < seq) {
+          every_rank_seen = false;
+          continue;
+        }
+        if (const auto* theirs = other->call(seq); theirs != nullptr && !theirs->matches(*mine)) {
+          return desync_text(own, *other, seq).substr(std::string("trainloop: ").size());
+        }
+      }
+      if (every_rank_seen || Clock::now() - started > period() + std::chrono::milliseconds(400)) break;
+    }
+    return std::nullopt;
+  }
+
+  RankEnv env_;
+  StallWatchOptions options_;
+  std::chrono::milliseconds timeout_;
+  int rank_;
+  int world_size_;
+  std::string host_;
+  c10::intrusive_ptr<::c10d::Store> store_;
+  std::mutex store_mutex_;
+  std::mutex tick_mutex_;
+  // The watchdog thread's own view (the explainer takes tick_mutex_ to share own_record()).
+  std::uint64_t tick_ = 0;
+  std::uint64_t last_progress_ = 0;
+  bool progress_seen_ = false;
+  Clock::time_point progress_since_{};
+  bool reported_ = false;
+  bool desync_reported_ = false;
+  std::optional<Clock::time_point> verdict_seen_;
+  std::map<int, std::pair<std::uint64_t, Clock::time_point>> ticks_seen_;
+  std::mutex stop_mutex_;
+  std::condition_variable stop_changed_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+/// Starts this rank's watchdog once per process (later calls do nothing): options from the mode,
+/// overridden by the environment (stall_options.hpp), checked against the collective timeout.
+/// Does nothing when they turn it off.
+inline void start_stall_watchdog(const ProcessGroupOptions& group_options, const RankEnv& env,
+                                 const StallWatchOptions& mode_options) {
+  static std::mutex mutex;
+  static std::unique_ptr<StallWatchdog> watchdog;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (watchdog) return;
+  const StallWatchOptions options = stall_options_from_environment(mode_options);
+  options.validate(group_options.timeout);
+  if (!options.enabled) return;
+  watchdog = std::make_unique<StallWatchdog>(group_options, env, options);
+}
+
+}  // namespace trainloop::distributed
