@@ -46,8 +46,7 @@ struct FitRun {
 template <class HookCall>
 void notify_callbacks(FitRun& run, const char* hook, HookCall&& hook_call) {
   for (std::size_t i = 0; i < run.active.size(); ++i) {
-    const std::string& name = i < run.active_names.size() ? run.active_names[i] : std::string();
-    progress::PhaseScope phase(progress::Phase::Callback, name + "::" + hook);
+    progress::PhaseScope phase(progress::Phase::Callback, run.active_names[i].c_str(), hook);
     hook_call(*run.active[i]);
   }
 }

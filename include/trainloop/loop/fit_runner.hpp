@@ -122,7 +122,7 @@ class FitRunner {
     }
     for (std::size_t i = 0; i < run.active.size(); ++i) {
       const auto& cb = run.active[i];
-      progress::PhaseScope phase(progress::Phase::Callback, run.active_names[i] + "::on_fit_finally");
+      progress::PhaseScope phase(progress::Phase::Callback, run.active_names[i].c_str(), "on_fit_finally");
       try {
         cb->on_fit_finally(run.state, error);
       } catch (...) {

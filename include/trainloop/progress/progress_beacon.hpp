@@ -82,12 +82,13 @@ class ProgressBeacon {
   /// Longest detail text kept (longer ones are cut).
   static constexpr std::size_t kDetailBytes = 96;
 
-  /// Sets the phase and its detail ("" for none); counts as progress.
-  void set_phase(Phase phase, const char* detail = "") {
+  /// Sets the phase and its detail ("" for none), or "<detail>::<member>" when `member` is given
+  /// (a callback's hook: composed here, so callers allocate nothing); counts as progress.
+  void set_phase(Phase phase, const char* detail = "", const char* member = nullptr) {
     {
       std::lock_guard<std::mutex> lock(detail_mutex_);
-      std::strncpy(detail_, detail != nullptr ? detail : "", kDetailBytes - 1);
-      detail_[kDetailBytes - 1] = '\0';
+      std::snprintf(detail_, kDetailBytes, member != nullptr ? "%s::%s" : "%s", detail != nullptr ? detail : "",
+                    member != nullptr ? member : "");
       phase_.store(static_cast<std::uint8_t>(phase), std::memory_order_relaxed);
     }
     advance();
@@ -98,6 +99,12 @@ class ProgressBeacon {
   std::string detail() const {
     std::lock_guard<std::mutex> lock(detail_mutex_);
     return detail_;
+  }
+  /// The current phase, and its detail copied into `detail` (kDetailBytes, no allocation).
+  Phase phase_and_detail(char (&detail)[kDetailBytes]) const {
+    std::lock_guard<std::mutex> lock(detail_mutex_);
+    std::memcpy(detail, detail_, kDetailBytes);
+    return static_cast<Phase>(phase_.load(std::memory_order_relaxed));
   }
 
   /// Marks progress without changing the phase (a batch of evaluation, bytes of a checkpoint).
@@ -187,23 +194,24 @@ inline ProgressBeacon& progress_beacon() {
 }
 
 /// Sets a phase for a scope and puts the previous phase and detail back when it ends (a callback
-/// inside the optimizer step, an evaluation inside on_epoch_end).
+/// inside the optimizer step, an evaluation inside on_epoch_end). Allocates nothing: it runs
+/// around every callback of every batch.
 class PhaseScope {
  public:
-  /// Enters `phase` with `detail`.
-  explicit PhaseScope(Phase phase, const char* detail = "")
-      : previous_(progress_beacon().phase()), previous_detail_(progress_beacon().detail()) {
-    progress_beacon().set_phase(phase, detail);
+  /// Enters `phase` with `detail` (or "<detail>::<member>").
+  explicit PhaseScope(Phase phase, const char* detail = "", const char* member = nullptr)
+      : previous_(progress_beacon().phase_and_detail(previous_detail_)) {
+    progress_beacon().set_phase(phase, detail, member);
   }
   /// Enters `phase` with `detail`.
   PhaseScope(Phase phase, const std::string& detail) : PhaseScope(phase, detail.c_str()) {}
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
-  ~PhaseScope() { progress_beacon().set_phase(previous_, previous_detail_.c_str()); }
+  ~PhaseScope() { progress_beacon().set_phase(previous_, previous_detail_); }
 
  private:
+  char previous_detail_[ProgressBeacon::kDetailBytes];
   Phase previous_;
-  std::string previous_detail_;
 };
 
 }  // namespace trainloop::progress

@@ -18,24 +18,20 @@
 /// - when it has waited in a collective for twice the limit without a verdict, reads every record
 ///   and names a rank whose watchdog stopped publishing (a process stopped or frozen) or that is
 ///   behind it, from outside (no stack).
-/// Nothing runs per step: the loop only sets the beacon's atomics.
-///
-/// The store connection is its own (a TCPStore client of the job's store, under the process
-/// group's prefix + "/watch"), so the watchdog never waits behind the backend's use of the store.
-/// Outside fit, evaluate and predict (phase idle) nothing is judged a stall: a rank working alone
+/// Nothing runs per step: the loop only sets the beacon's atomics. The store is met through a
+/// WatchBoard (watch_board.hpp), the reports worded in stall_report.hpp. Outside fit, evaluate and predict (phase idle) nothing is judged a stall: a rank working alone
 /// before a barrier is a program's choice. Desyncs are judged everywhere.
 
-#include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/failure_report.hpp>
 #include <trainloop/distributed/watch/rank_record.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
+#include <trainloop/distributed/watch/stall_report.hpp>
+#include <trainloop/distributed/watch/watch_board.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 #include <trainloop/progress/thread_stack.hpp>
-
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -46,7 +42,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -63,11 +58,7 @@ class StallWatchdog {
   /// @param options when a rank is stalled, and what happens then
   StallWatchdog(const ProcessGroupOptions& group_options, RankEnv env, StallWatchOptions options)
       : env_(std::move(env)), options_(options), timeout_(group_options.timeout), rank_(group_options.rank),
-        world_size_(group_options.world_size) {
-    ProcessGroupOptions client = group_options;
-    client.is_store_server = false;
-    client.timeout = std::min<std::chrono::milliseconds>(group_options.timeout, std::chrono::seconds(60));
-    store_ = c10::make_intrusive<::c10d::PrefixStore>(group_options.store_prefix + "/watch", connect_store(client));
+        world_size_(group_options.world_size), board_(group_options) {
     char host[256] = {};
     ::gethostname(host, sizeof host - 1);
     host_ = host;
@@ -94,9 +85,6 @@ class StallWatchdog {
     stop_changed_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
-
-  /// The options it judges by.
-  const StallWatchOptions& options() const { return options_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -156,10 +144,8 @@ class StallWatchdog {
     }
   }
 
-  static std::string record_key(int rank) { return "rank" + std::to_string(rank); }
-
-  /// This rank's record now, and whether it is stalled by its own measure.
-  RankRecord own_record(double* stale_out = nullptr) {
+  /// This rank's record now (its stale_seconds: how long it has made no progress by its own measure).
+  RankRecord own_record() {
     progress::ProgressBeacon& beacon = progress::progress_beacon();
     const progress::ProgressSnapshot s = beacon.snapshot();
     const progress::CollectiveLog::Waiting waiting = beacon.collectives().waiting();
@@ -189,21 +175,7 @@ class StallWatchdog {
     r.waiting_what = waiting.what;
     r.waiting_seconds = waiting.seconds;
     r.calls = beacon.collectives().recent(RankRecord::kCalls);
-    if (stale_out != nullptr) *stale_out = r.stale_seconds;
     return r;
-  }
-
-  void publish(const RankRecord& record) {
-    const std::string text = record.to_text();
-    std::lock_guard<std::mutex> lock(store_mutex_);
-    store_->set(record_key(rank_), std::vector<uint8_t>(text.begin(), text.end()));
-  }
-
-  std::optional<RankRecord> read_record(int rank) {
-    std::lock_guard<std::mutex> lock(store_mutex_);
-    if (!store_->check({record_key(rank)})) return std::nullopt;
-    const std::vector<uint8_t> bytes = store_->get(record_key(rank));
-    return RankRecord::parse(std::string(bytes.begin(), bytes.end()));
   }
 
   std::vector<RankRecord> read_all(const RankRecord& own) {
@@ -211,7 +183,7 @@ class StallWatchdog {
     for (int r = 0; r < world_size_; ++r) {
       if (r == rank_) {
         records.push_back(own);
-      } else if (auto record = read_record(r)) {
+      } else if (auto record = board_.read(r)) {
         records.push_back(std::move(*record));
         const auto now = Clock::now();
         auto& seen = ticks_seen_[r];
@@ -221,31 +193,17 @@ class StallWatchdog {
     return records;
   }
 
-  /// The verdict another rank left ("stall"/"desync" and its first line), if any.
-  std::optional<std::string> read_verdict() {
-    std::lock_guard<std::mutex> lock(store_mutex_);
-    if (!store_->check({"verdict"})) return std::nullopt;
-    const auto bytes = store_->get("verdict");
-    return std::string(bytes.begin(), bytes.end());
-  }
-
-  /// Leaves this rank's verdict for the others (the first one stays).
-  void leave_verdict(const std::string& headline) {
-    std::lock_guard<std::mutex> lock(store_mutex_);
-    if (store_->add("verdicts", 1) == 1) store_->set("verdict", std::vector<uint8_t>(headline.begin(), headline.end()));
-  }
-
   void tick() {
-    double stale = 0.0;
     RankRecord own;
     {
       std::lock_guard<std::mutex> lock(tick_mutex_);
-      own = own_record(&stale);
+      own = own_record();
     }
-    publish(own);
+    const double stale = own.stale_seconds;
+    board_.publish(own);
     if (world_size_ < 2) return;
     // Desync: this rank's calls against its successor's.
-    if (auto next = read_record((rank_ + 1) % world_size_)) {
+    if (auto next = board_.read((rank_ + 1) % world_size_)) {
       if (const std::uint64_t seq = first_mismatch(own, *next); seq != 0) return desync(own, *next, seq);
     }
     if (stale >= own.limit_seconds && !reported_) return judge_own_stall(own);
@@ -254,12 +212,12 @@ class StallWatchdog {
     // a synchronisation, not in the collective), follows another rank's verdict.
     if ((own.waiting_seq != 0 && own.waiting_seconds >= std::min(limit, 2.0 * period_seconds())) ||
         stale >= 2.0 * period_seconds()) {
-      if (auto verdict = read_verdict()) return follow_verdict(*verdict);
+      if (auto verdict = board_.verdict()) return follow_verdict(*verdict);
     }
     if (own.waiting_seq != 0 && own.waiting_seconds >= limit) {
       // Keep the others' ticks in view from here on, to tell a frozen rank from a busy one.
       const std::vector<RankRecord> records = read_all(own);
-      if (own.waiting_seconds >= 2.0 * limit + 5.0) judge_from_outside(own, records);
+      if (own.waiting_seconds >= 2.0 * limit + 5.0 && !reported_) judge_from_outside(own, records);
     }
   }
 
@@ -277,64 +235,11 @@ class StallWatchdog {
       if (r.stale_seconds < r.limit_seconds && r.waiting_seq == 0) every_rank_stuck = false;
       if (r.waiting_seq != 0 && r.waiting_seq <= own.issued) every_rank_stuck = false;  // waits for another
     }
-    if (waiting.empty() && !(every_rank_stuck && rank_ == lowest_stuck(records))) return;
+    // Every rank stuck and none waiting for another: the lowest rank reports, once for the job.
+    if (waiting.empty() && !(every_rank_stuck && rank_ == records.front().rank)) return;
     reported_ = true;
-    std::ostringstream out;
-    out.precision(1);
-    out << std::fixed << "trainloop: rank " << rank_ << " stalled: no progress for " << own.stale_seconds
-        << " s (stall limit " << own.limit_seconds << " s) in " << own.position();
-    if (!waiting.empty()) {
-      out << ", while " << (waiting.size() == 1 ? "rank " : "ranks ");
-      for (std::size_t i = 0; i < waiting.size(); ++i) out << (i ? ", " : "") << waiting[i]->rank;
-      out << (waiting.size() == 1 ? " waits" : " wait") << " for it";
-    } else {
-      out << "; every rank is stuck";
-    }
-    out << "\n  rank " << rank_ << " (pid " << own.pid << " on " << own.host << "): last collective ";
-    if (!own.calls.empty()) out << own.calls.back().describe();
-    else out << "none";
-    for (const auto& r : records) {
-      if (r.rank == rank_) continue;
-      out << "\n  rank " << r.rank << " (pid " << r.pid << " on " << r.host << "): ";
-      if (r.waiting_seq != 0) out << r.blocked_in() << "; " << r.position();
-      else out << r.position() << ", no progress for " << r.stale_seconds << " s";
-    }
-    out << stacks_text(own.phase);
-    out << "\n  " << action_words();
-    const std::string report = out.str();
-    act(report, "trainloop::StallError", /*consequence=*/false);
-  }
-
-  static int lowest_stuck(const std::vector<RankRecord>& records) {
-    int lowest = 1 << 30;
-    for (const auto& r : records) lowest = std::min(lowest, r.rank);
-    return lowest;
-  }
-
-  /// The training thread's stack (and the loader workers' while it loads a batch).
-  std::string stacks_text(progress::Phase phase) {
-    std::ostringstream out;
-    for (const auto& thread : progress::progress_beacon().threads().list()) {
-      const bool training = thread.role == "training thread";
-      if (!training && phase != progress::Phase::LoadingBatch) continue;
-      out << "\n  rank " << rank_ << "'s " << thread.role << " (thread " << thread.tid << "), innermost call first:";
-      const auto frames = progress::capture_thread_stack(thread.tid, std::chrono::seconds(2));
-      if (!frames) {
-        out << "\n    (no answer within 2 s: the thread is in uninterruptible sleep, e.g. a read from a file "
-               "system that does not answer, or blocks the signal)";
-        continue;
-      }
-      const auto lines = progress::symbolize_stack(*frames);
-      for (std::size_t i = 0; i < lines.size() && i < 40; ++i) out << "\n    #" << i << " " << lines[i];
-    }
-    return out.str();
-  }
-
-  std::string action_words() const {
-    return options_.action == StallAction::Fail
-               ? "the job ends as for a failed rank (TRAINLOOP_STALL_ACTION=report reports and keeps waiting; "
-                 "TRAINLOOP_STALL_LIMIT sets the limit, \"off\" turns the watchdog off)"
-               : "the job keeps waiting (StallAction::Report); the collective timeout ends it if nothing moves";
+    act(stall_report(own, records, waiting, thread_stacks_text(rank_, own.phase), options_.action),
+        "trainloop::StallError", /*consequence=*/false);
   }
 
   /// Reports `report`, and with StallAction::Fail ends this process as a failed rank.
@@ -347,7 +252,7 @@ class StallWatchdog {
     if (!consequence) {
       const std::string headline = report.substr(0, report.find('\n'));
       try {
-        leave_verdict(headline);
+        board_.leave_verdict(headline);
       } catch (...) {
       }
     }
@@ -379,20 +284,8 @@ class StallWatchdog {
       const auto seen = ticks_seen_.find(r.rank);
       const double silent =
           seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
-      std::ostringstream out;
-      out.precision(1);
-      out << std::fixed << "trainloop: rank " << r.rank << " stalled: rank " << rank_ << " has been "
-          << own.blocked_in() << " and rank " << r.rank << " never called it; ";
-      if (silent >= own.limit_seconds) {
-        out << "its watchdog has not published for " << silent
-            << " s (its process is stopped or frozen, or its host is down), so it cannot report itself";
-      } else {
-        out << "it did not report itself (its stall limit is " << r.limit_seconds << " s)";
-      }
-      out << "\n  rank " << r.rank << " (pid " << r.pid << " on " << r.host << "): " << r.position()
-          << ", last collective " << (r.calls.empty() ? std::string("none") : r.calls.back().describe())
-          << "\n  " << action_words();
-      act(out.str(), "trainloop::StallError", /*consequence=*/false);
+      reported_ = true;  // once (StallAction::Report goes on waiting)
+      act(unresponsive_report(own, r, silent, options_.action), "trainloop::StallError", /*consequence=*/false);
       return;
     }
   }
@@ -401,28 +294,7 @@ class StallWatchdog {
   void desync(const RankRecord& own, const RankRecord& other, std::uint64_t seq) {
     if (desync_reported_) return;
     desync_reported_ = true;
-    act(desync_text(own, other, seq), "trainloop::DesyncError", /*consequence=*/false);
-  }
-
-  static std::string desync_text(const RankRecord& a, const RankRecord& b, std::uint64_t seq) {
-    const RankRecord& low = a.rank < b.rank ? a : b;
-    const RankRecord& high = a.rank < b.rank ? b : a;
-    std::ostringstream out;
-    out << "trainloop: ranks " << low.rank << " and " << high.rank << " called different collectives as their collective #"
-        << seq << " (every rank must call the same collectives in the same order: a collective on some ranks "
-        << "only, a skipped step, a tensor of another shape or dtype?)";
-    for (const RankRecord* r : {&low, &high}) {
-      const progress::CollectiveCall* call = r->call(seq);
-      out << "\n  rank " << r->rank << ": "
-          << (call != nullptr ? call->describe() : "#" + std::to_string(seq) + " (older than its last calls)")
-          << "; now in " << r->position();
-      if (r->waiting_seq != 0) out << ", " << r->blocked_in();
-    }
-    // The calls before #seq agreed: the last common one shows where the ranks were in step.
-    if (seq > 1) {
-      if (const auto* before = low.call(seq - 1)) out << "\n  the ranks agreed up to " << before->describe();
-    }
-    return out.str();
+    act(desync_report(own, other, seq), "trainloop::DesyncError", /*consequence=*/false);
   }
 
   /// For ProcessGroup::wait: a collective failed; if the ranks called different ones as #seq, the
@@ -437,26 +309,9 @@ class StallWatchdog {
       std::lock_guard<std::mutex> lock(tick_mutex_);
       own = own_record();
     }
-    publish(own);
-    // The other ranks publish within a period; a rank that never issued #seq (it died, or is
-    // behind) is no desync. Reads at once, then after 0.1 s, 0.3 s and a period at most.
-    const auto started = Clock::now();
-    for (const auto pause : {std::chrono::milliseconds(0), std::chrono::milliseconds(100), std::chrono::milliseconds(200),
-                             period()}) {
-      std::this_thread::sleep_for(pause);
-      bool every_rank_seen = true;
-      for (int r = 0; r < world_size_; ++r) {
-        if (r == rank_) continue;
-        const auto other = read_record(r);
-        if (!other || other->issued < seq) {
-          every_rank_seen = false;
-          continue;
-        }
-        if (const auto* theirs = other->call(seq); theirs != nullptr && !theirs->matches(*mine)) {
-          return desync_text(own, *other, seq).substr(std::string("trainloop: ").size());
-        }
-      }
-      if (every_rank_seen || Clock::now() - started > period() + std::chrono::milliseconds(400)) break;
+    board_.publish(own);
+    if (auto other = board_.find_other_call(rank_, world_size_, *mine, period())) {
+      return desync_report(own, *other, seq).substr(std::string("trainloop: ").size());
     }
     return std::nullopt;
   }
@@ -467,8 +322,7 @@ class StallWatchdog {
   int rank_;
   int world_size_;
   std::string host_;
-  c10::intrusive_ptr<::c10d::Store> store_;
-  std::mutex store_mutex_;
+  WatchBoard board_;
   std::mutex tick_mutex_;
   // The watchdog thread's own view (the explainer takes tick_mutex_ to share own_record()).
   std::uint64_t tick_ = 0;
