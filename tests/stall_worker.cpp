@@ -37,7 +37,7 @@ int own_rank() {
 /// Rank 1 in the step the scenarios misbehave in (after two steps: past the warm-up grace).
 bool rank1_at_step3() { return own_rank() == 1 && tl::progress::progress_beacon().global_step() == 3; }
 
-// The user's own functions a stall report must name (external linkage, so -rdynamic exports them).
+// The user's own functions a stall report must name (addr2line reads them from the symbol table).
 namespace user_code {
 
 [[gnu::noinline]] void sleep_inside_forward(double seconds) {

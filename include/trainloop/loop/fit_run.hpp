@@ -42,11 +42,14 @@ struct FitRun {
 };
 
 /// Calls `hook_call(callback)` for every active callback in order, each in the phase "callback"
-/// named "<its state key>::<hook>" (what a stall report says a rank is stuck in).
+/// named "<its state key>::<hook>" (what a stall report says a rank is stuck in); a callback of the
+/// main process only (files, plots) in its own phase, which the other ranks wait out.
 template <class HookCall>
 void notify_callbacks(FitRun& run, const char* hook, HookCall&& hook_call) {
   for (std::size_t i = 0; i < run.active.size(); ++i) {
-    progress::PhaseScope phase(progress::Phase::Callback, run.active_names[i].c_str(), hook);
+    progress::PhaseScope phase(run.active[i]->main_process_only() ? progress::Phase::MainOnlyCallback
+                                                                  : progress::Phase::Callback,
+                               run.active_names[i].c_str(), hook);
     hook_call(*run.active[i]);
   }
 }

@@ -122,7 +122,8 @@ class FitRunner {
     }
     for (std::size_t i = 0; i < run.active.size(); ++i) {
       const auto& cb = run.active[i];
-      progress::PhaseScope phase(progress::Phase::Callback, run.active_names[i].c_str(), "on_fit_finally");
+      progress::PhaseScope phase(cb->main_process_only() ? progress::Phase::MainOnlyCallback : progress::Phase::Callback,
+                                 run.active_names[i].c_str(), "on_fit_finally");
       try {
         cb->on_fit_finally(run.state, error);
       } catch (...) {
@@ -309,6 +310,9 @@ class FitRunner {
       state.epoch = progress_.epochs_completed + 1;
       state.stop_requested = false;
       notify_callbacks(run, "on_epoch_begin", [&](Callback& cb) { cb.on_epoch_begin(state); });
+      // Steps are timed within an epoch: the first one's time would include the last epoch's
+      // validation, checkpoint and callbacks, and inflate the stall limit (progress_beacon.hpp).
+      progress::progress_beacon().restart_step_clock();
       const bool epoch_done = with_error_context([&] { return epochs.run(engine, run); }, [&] {
         return concat("trainloop: while training epoch ", state.epoch, ", after batch ", state.batch, " of ",
                       state.batches_per_epoch, " (rank ", engine.rank(), ")");

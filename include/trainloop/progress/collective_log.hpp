@@ -165,7 +165,8 @@ class CollectiveLog {
     waiting_what_ = what;
     waiting_since_ = std::chrono::steady_clock::now();
   }
-  /// The wait on `seq` ended.
+  /// The wait on `seq` ended. (Waiting is not a stall; the watchdog restarts its clock of no
+  /// progress while a thread waits.)
   void end_wait(std::uint64_t seq) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (waiting_seq_ == seq) waiting_seq_ = 0;

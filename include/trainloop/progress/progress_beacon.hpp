@@ -37,6 +37,7 @@ enum class Phase : std::uint8_t {
   CheckpointWrite,  ///< writing a checkpoint (its own, longer limit)
   CheckpointRead,   ///< reading a checkpoint (its own, longer limit)
   Callback,         ///< a callback; the detail names it and its hook
+  MainOnlyCallback, ///< a callback that runs on the main process only (files, plots) while the others wait
   RankZeroFirst,    ///< rank0_first(): rank 0 works while the others wait (never a stall)
 };
 
@@ -53,14 +54,16 @@ inline const char* phase_name(Phase phase) {
     case Phase::CheckpointWrite: return "checkpoint write";
     case Phase::CheckpointRead: return "checkpoint read";
     case Phase::Callback: return "callback";
+    case Phase::MainOnlyCallback: return "main-process callback";
     case Phase::RankZeroFirst: return "rank0_first";
   }
   return "unknown";
 }
 
-/// A phase that is slow by nature and judged with the checkpoint limit (StallWatchOptions).
+/// A phase of file work, slow by nature, judged with the checkpoint limit (StallWatchOptions): a
+/// checkpoint's write or read, a callback that writes files or plots on the main process alone.
 inline bool is_checkpoint_phase(Phase phase) {
-  return phase == Phase::CheckpointWrite || phase == Phase::CheckpointRead;
+  return phase == Phase::CheckpointWrite || phase == Phase::CheckpointRead || phase == Phase::MainOnlyCallback;
 }
 
 /// What the beacon holds at one moment (ProgressBeacon::snapshot()).
@@ -187,10 +190,11 @@ class ProgressBeacon {
   ThreadRegistry threads_;
 };
 
-/// This process's beacon.
+/// This process's beacon. Never destroyed: threads that outlive main's statics (the stall
+/// watchdog, loader workers, libtorch's) may still read or set it at exit.
 inline ProgressBeacon& progress_beacon() {
-  static ProgressBeacon beacon;
-  return beacon;
+  static ProgressBeacon* const beacon = new ProgressBeacon;
+  return *beacon;
 }
 
 /// Sets a phase for a scope and puts the previous phase and detail back when it ends (a callback

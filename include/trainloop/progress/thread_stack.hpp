@@ -6,16 +6,16 @@
 /// How: the watchdog sends the thread a real-time signal (tgkill); the handler records its
 /// return addresses with glibc's backtrace() (async-signal-safe once its unwinder is loaded,
 /// which install_stack_capture() does) and the watchdog turns them into names with dladdr() and
-/// the C++ ABI's demangler. dladdr sees the dynamic symbol table: libraries' functions, and the
-/// program's own when it is linked with -rdynamic, which the trainloop CMake target adds. Frames
-/// of the program that dladdr cannot name (static functions, anonymous namespaces, a program
-/// linked without -rdynamic) are asked of binutils' addr2line when it is installed, which reads
-/// the full symbol table (and file:line with -g). No library does this from another thread
+/// the C++ ABI's demangler (libraries' frames: dladdr sees their exported symbols), and the
+/// program's own frames with binutils' addr2line when it is installed, which reads the program's
+/// full symbol table (static functions and anonymous namespaces too; file:line with -g). A
+/// stripped program without -rdynamic shows addresses. No library does this from another thread
 /// (c10::get_backtrace() and libunwind see only the calling thread), hence this file.
 ///
 /// A thread in uninterruptible sleep (a read from a dead NFS server) or with the signal blocked
 /// does not answer: the report then says so instead of a stack.
 
+#include <trainloop/detail/type_name.hpp>
 #include <trainloop/progress/thread_registry.hpp>
 
 #include <atomic>
@@ -26,11 +26,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cxxabi.h>
 #include <dlfcn.h>
 #include <execinfo.h>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -46,7 +44,8 @@ namespace detail {
 inline constexpr int kMaxFrames = 64;
 
 struct StackRequest {
-  std::atomic<int> state{0};  // 0 idle, 1 asked, 2 answered
+  std::atomic<int> state{0};  // 0 idle, 1 asked, 3 being written, 2 answered
+  std::atomic<pid_t> target{0};  // the thread asked: a late signal to another one is ignored
   void* frames[kMaxFrames] = {};
   int count = 0;
 };
@@ -61,17 +60,16 @@ inline int stack_signal() { return SIGRTMIN + 5; }
 
 inline void record_stack(int) {
   StackRequest& request = stack_request();
-  if (request.state.load(std::memory_order_acquire) != 1) return;
   const int saved_errno = errno;
-  request.count = ::backtrace(request.frames, kMaxFrames);
-  request.state.store(2, std::memory_order_release);
+  // Only the thread asked, only while asked (a signal that arrives after its capture timed out
+  // finds another request or none), and only once: the state goes 1 -> 3 -> 2.
+  int asked = 1;
+  if (static_cast<pid_t>(::syscall(SYS_gettid)) == request.target.load(std::memory_order_acquire) &&
+      request.state.compare_exchange_strong(asked, 3, std::memory_order_acq_rel)) {
+    request.count = ::backtrace(request.frames, kMaxFrames);
+    request.state.store(2, std::memory_order_release);
+  }
   errno = saved_errno;
-}
-
-inline std::string demangle(const char* name) {
-  int status = 0;
-  std::unique_ptr<char, void (*)(void*)> readable(abi::__cxa_demangle(name, nullptr, nullptr, &status), std::free);
-  return status == 0 && readable ? std::string(readable.get()) : std::string(name);
 }
 
 inline std::string base_name(const char* path) {
@@ -138,6 +136,7 @@ inline std::optional<std::vector<void*>> capture_thread_stack(pid_t tid, std::ch
   if (!install_stack_capture()) return std::nullopt;
   detail::StackRequest& request = detail::stack_request();
   request.count = 0;
+  request.target.store(tid, std::memory_order_release);
   request.state.store(1, std::memory_order_release);
   if (::syscall(SYS_tgkill, ::getpid(), tid, detail::stack_signal()) != 0) {
     request.state.store(0);
@@ -145,8 +144,9 @@ inline std::optional<std::vector<void*>> capture_thread_stack(pid_t tid, std::ch
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (request.state.load(std::memory_order_acquire) != 2) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      request.state.store(0);
+    int asked = 1;
+    // Give up only while the handler has not started writing (1 -> 0); once it writes, it finishes.
+    if (std::chrono::steady_clock::now() >= deadline && request.state.compare_exchange_strong(asked, 0)) {
       return std::nullopt;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -158,8 +158,10 @@ inline std::optional<std::vector<void*>> capture_thread_stack(pid_t tid, std::ch
   return frames;
 }
 
-/// One line per frame: "name (library)" — the program's own functions by name when it exports
-/// them (-rdynamic) or addr2line finds them; "library+0xoffset" when nothing names the frame.
+/// One line per frame: "name (library)". Libraries' frames are named by dladdr (their exported
+/// symbols); the program's own by addr2line when installed (it reads the full symbol table, which
+/// dladdr does not: without -rdynamic it would give the nearest exported symbol, a wrong name),
+/// else by dladdr; "library+0xoffset" when nothing names the frame.
 inline std::vector<std::string> symbolize_stack(const std::vector<void*>& frames) {
   struct Frame {
     std::string name, file, path, where;
@@ -168,10 +170,11 @@ inline std::vector<std::string> symbolize_stack(const std::vector<void*>& frames
   std::vector<Frame> resolved(frames.size());
   std::map<std::string, std::vector<std::size_t>> unnamed_by_file;
   // This header's functions are compiled into the program (or the library) that includes it:
-  // frames at that base are the program's, read through /proc/self/exe (dladdr names it by
-  // argv[0], which may be relative to another directory).
+  // frames at that base are the program's, read through /proc/<pid>/exe (dladdr names it by
+  // argv[0], which may be relative to another directory; /proc/self would be addr2line's own).
   Dl_info own{};
   const void* own_base = ::dladdr(reinterpret_cast<void*>(&detail::record_stack), &own) != 0 ? own.dli_fbase : nullptr;
+  const std::string program = "/proc/" + std::to_string(::getpid()) + "/exe";
   for (std::size_t i = 0; i < frames.size(); ++i) {
     // A return address points after its call; the call itself is one byte before (the
     // interrupted frame, i == 0, is exact).
@@ -185,16 +188,13 @@ inline std::vector<std::string> symbolize_stack(const std::vector<void*>& frames
       continue;
     }
     frame.file = detail::base_name(info.dli_fname);
-    frame.path = info.dli_fbase == own_base ? "/proc/self/exe" : (info.dli_fname != nullptr ? info.dli_fname : "");
+    frame.path = info.dli_fbase == own_base ? program : (info.dli_fname != nullptr ? info.dli_fname : "");
     frame.offset = address - reinterpret_cast<std::uintptr_t>(info.dli_fbase);
-    if (info.dli_sname != nullptr) {
-      frame.name = detail::demangle(info.dli_sname);
-    } else if (frame.path == "/proc/self/exe") {  // addr2line over libtorch would take longer than a report may
-      unnamed_by_file[frame.path].push_back(i);
-    }
+    if (info.dli_sname != nullptr) frame.name = ::trainloop::detail::demangled(info.dli_sname);
+    // The program's frames go to addr2line (over libtorch it would take longer than a report may).
+    if (frame.path == program) unnamed_by_file[frame.path].push_back(i);
   }
   for (const auto& [path, indices] : unnamed_by_file) {
-    if (indices.size() > 32) continue;
     std::vector<std::uintptr_t> offsets;
     for (std::size_t i : indices) offsets.push_back(resolved[i].offset);
     const auto names = detail::addr2line(path, offsets);

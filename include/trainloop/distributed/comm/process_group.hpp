@@ -9,10 +9,11 @@
 /// c10d section of detail/torch_compat.hpp).
 ///
 /// Every collective must be called in the same order with the same shapes on every rank; calls
-/// from several threads of one rank must be serialised by the caller. Each is numbered and
-/// fingerprinted as it is issued (progress/collective_log.hpp): the stall watchdog compares the
-/// ranks' calls, and a collective that fails between ranks that called different ones throws
-/// DesyncError naming both calls instead of the backend's words.
+/// from several threads of one rank must be serialised by the caller. The job's group (the
+/// session's, rank_session.hpp) numbers and fingerprints each as it is issued
+/// (progress/collective_log.hpp): the stall watchdog compares the ranks' calls, and a collective
+/// that fails between ranks that called different ones throws DesyncError naming both calls
+/// instead of the backend's words. (Other groups are not logged: their numbers would not match.)
 
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/padded_rows.hpp>
@@ -80,6 +81,8 @@ class ProcessGroup {
   }
   /// True once create() has filled this group.
   bool valid() const { return static_cast<bool>(backend_); }
+  /// From now on this group's collectives go to the process's collective log (the job's group only).
+  void log_collectives() { logged_ = true; }
   /// The libtorch backend object, for collectives we do not wrap.
   const c10::intrusive_ptr<::trainloop::detail::CollectiveBackend>& native() const { return backend_; }
   /// The (prefixed) store, e.g. for small key/value exchanges.
@@ -266,9 +269,12 @@ class ProcessGroup {
   /// context added). While it blocks, the stall watchdog sees which collective it waits for.
   void wait(const WorkHandle& work, const char* what = "collective") const {
     progress::CollectiveLog& log = progress::progress_beacon().collectives();
-    std::uint64_t seq = log.seq_of(work.get());
-    if (seq == 0) seq = log.issued();
-    log.begin_wait(seq, what);
+    std::uint64_t seq = 0;
+    if (logged_) {
+      seq = log.seq_of(work.get());
+      if (seq == 0) seq = log.issued();
+      log.begin_wait(seq, what);
+    }
     struct EndWait {
       progress::CollectiveLog& log;
       std::uint64_t seq;
@@ -323,15 +329,17 @@ class ProcessGroup {
                     world_size_);
   }
 
-  /// Numbers and fingerprints a collective as it is issued (progress/collective_log.hpp).
-  static std::uint64_t log_call(progress::CollectiveKind kind, const torch::Tensor& sent, int root = -1) {
+  /// Numbers and fingerprints a collective as it is issued (progress/collective_log.hpp); 0 for a
+  /// group that is not logged.
+  std::uint64_t log_call(progress::CollectiveKind kind, const torch::Tensor& sent, int root = -1) const {
+    if (!logged_) return 0;
     progress::ProgressBeacon& beacon = progress::progress_beacon();
     return beacon.collectives().issue(kind, sent.defined() ? std::string(c10::toString(sent.scalar_type())) : "",
                                       sent.defined() ? sent.numel() : 0, root, beacon.global_step());
   }
   /// Ties collective `seq` to its handle, so a wait on it says which collective it waits for.
   static WorkHandle logged(std::uint64_t seq, WorkHandle work) {
-    progress::progress_beacon().collectives().set_work(seq, work.get());
+    if (seq != 0) progress::progress_beacon().collectives().set_work(seq, work.get());
     return work;
   }
   /// Issues collective `seq` with `launch` and ties it to its handle; a backend that fails at
@@ -428,7 +436,8 @@ class ProcessGroup {
   int rank_ = 0;
   int world_size_ = 0;
   Backend backend_kind_ = Backend::Gloo;
-  bool native_reduce_scatter_ = true;  // false once the backend said it has none (libtorch 1.13's Gloo)
+  bool native_reduce_scatter_ = true;
+  bool logged_ = false;  // log_collectives() was called  // false once the backend said it has none (libtorch 1.13's Gloo)
   torch::Device device_ = torch::kCPU;
   std::chrono::milliseconds timeout_{0};
   c10::intrusive_ptr<::c10d::Store> store_;

@@ -56,6 +56,7 @@ inline ProcessGroup& session_process_group(ProcessGroupOptions options = {}) {
     options.store_prefix = "attempt_" + std::to_string(env->restart_count) + "/" + options.store_prefix;
   if (!session.group.valid()) {
     session.group = ProcessGroup::create(options);
+    session.group.log_collectives();  // the stall watchdog compares the ranks' calls of this group
     session.options = options;
   } else {
     TRAINLOOP_CHECK(options.backend == Backend::Auto || options.backend == session.group.backend(),

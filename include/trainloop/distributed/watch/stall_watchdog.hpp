@@ -34,6 +34,7 @@
 #include <trainloop/progress/thread_stack.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -89,8 +90,8 @@ class StallWatchdog {
  private:
   using Clock = std::chrono::steady_clock;
 
-  static StallWatchdog*& instance() {
-    static StallWatchdog* watchdog = nullptr;
+  static std::atomic<StallWatchdog*>& instance() {
+    static std::atomic<StallWatchdog*> watchdog{nullptr};
     return watchdog;
   }
   static std::terminate_handler& previous_terminate() {
@@ -100,8 +101,9 @@ class StallWatchdog {
   /// An exception escaped a thread (or main): if the ranks called different collectives as this
   /// rank's last one, that is the report; otherwise the handler that was there before.
   static void on_terminate() {
-    StallWatchdog* self = instance();
-    if (self != nullptr && std::current_exception()) {
+    StallWatchdog* self = instance().load();
+    // Not on the watchdog's own thread: it may hold the board's lock the explainer needs.
+    if (self != nullptr && std::current_exception() && std::this_thread::get_id() != self->thread_.get_id()) {
       std::string backend_error = "an exception that is not a std::exception";
       try {
         std::rethrow_exception(std::current_exception());
@@ -150,11 +152,12 @@ class StallWatchdog {
     const progress::ProgressSnapshot s = beacon.snapshot();
     const progress::CollectiveLog::Waiting waiting = beacon.collectives().waiting();
     const auto now = Clock::now();
-    if (s.progress != last_progress_ || !progress_seen_) {
+    // Waiting in a collective is not a stall of this rank: the clock of no progress restarts.
+    if (s.progress != last_progress_ || !progress_seen_ || waiting.seq != 0) {
       last_progress_ = s.progress;
       progress_seen_ = true;
       progress_since_ = now;
-      reported_ = false;
+      if (waiting.seq == 0) reported_ = false;
     }
     RankRecord r;
     r.rank = rank_;
@@ -178,14 +181,18 @@ class StallWatchdog {
     return r;
   }
 
-  std::vector<RankRecord> read_all(const RankRecord& own) {
+  /// Every rank's record — at most once per period x max(2, world size / 64): while ranks wait or
+  /// stall each reads all records, which must not swamp the store of a large job. Nothing between.
+  std::optional<std::vector<RankRecord>> read_all(const RankRecord& own) {
+    const auto now = Clock::now();
+    if (now - last_read_all_ < period() * std::max(2, world_size_ / 64)) return std::nullopt;
+    last_read_all_ = now;
     std::vector<RankRecord> records;
     for (int r = 0; r < world_size_; ++r) {
       if (r == rank_) {
         records.push_back(own);
       } else if (auto record = board_.read(r)) {
         records.push_back(std::move(*record));
-        const auto now = Clock::now();
         auto& seen = ticks_seen_[r];
         if (seen.first != records.back().tick) seen = {records.back().tick, now};
       }
@@ -206,34 +213,38 @@ class StallWatchdog {
     if (auto next = board_.read((rank_ + 1) % world_size_)) {
       if (const std::uint64_t seq = first_mismatch(own, *next); seq != 0) return desync(own, *next, seq);
     }
-    if (stale >= own.limit_seconds && !reported_) return judge_own_stall(own);
     const double limit = own.limit_seconds;
     // A rank blocked in a collective (Gloo), or stuck behind one on the device (NCCL's host waits in
-    // a synchronisation, not in the collective), follows another rank's verdict.
+    // a synchronisation, not in the collective), follows another rank's verdict — before judging
+    // itself.
     if ((own.waiting_seq != 0 && own.waiting_seconds >= std::min(limit, 2.0 * period_seconds())) ||
         stale >= 2.0 * period_seconds()) {
       if (auto verdict = board_.verdict()) return follow_verdict(*verdict);
     }
+    if (stale >= limit && !reported_) {
+      if (auto records = read_all(own)) judge_own_stall(own, *records);
+      return;
+    }
     if (own.waiting_seq != 0 && own.waiting_seconds >= limit) {
       // Keep the others' ticks in view from here on, to tell a frozen rank from a busy one.
-      const std::vector<RankRecord> records = read_all(own);
-      if (own.waiting_seconds >= 2.0 * limit + 5.0 && !reported_) judge_from_outside(own, records);
+      const auto records = read_all(own);
+      if (records && own.waiting_seconds >= 2.0 * limit + 5.0 && !reported_) judge_from_outside(own, *records);
     }
   }
 
   double period_seconds() const { return static_cast<double>(period().count()) / 1000.0; }
 
-  /// This rank made no progress for its limit: a stall if another rank waits for it (issued more
-  /// collectives) or every rank is stuck.
-  void judge_own_stall(const RankRecord& own) {
-    const std::vector<RankRecord> records = read_all(own);
+  /// This rank made no progress for its limit: a stall if no rank is behind it and another waits
+  /// for it (issued more collectives), or every rank is stuck at the same collective count. (With
+  /// NCCL a waiting rank's host is stuck too, in a synchronisation: the counts tell them apart.)
+  void judge_own_stall(const RankRecord& own, const std::vector<RankRecord>& records) {
     std::vector<const RankRecord*> waiting;
     bool every_rank_stuck = static_cast<int>(records.size()) == world_size_;
     for (const auto& r : records) {
       if (r.rank == rank_) continue;
+      if (r.issued < own.issued) return;  // a rank behind this one: it is the one the others wait for
       if (r.issued > own.issued || r.waiting_seq > own.issued) waiting.push_back(&r);
       if (r.stale_seconds < r.limit_seconds && r.waiting_seq == 0) every_rank_stuck = false;
-      if (r.waiting_seq != 0 && r.waiting_seq <= own.issued) every_rank_stuck = false;  // waits for another
     }
     // Every rank stuck and none waiting for another: the lowest rank reports, once for the job.
     if (waiting.empty() && !(every_rank_stuck && rank_ == records.front().rank)) return;
@@ -284,6 +295,9 @@ class StallWatchdog {
       const auto seen = ticks_seen_.find(r.rank);
       const double silent =
           seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
+      // Only a rank that stopped publishing (frozen) or that is stalled by its own measure; one
+      // that is idle or in rank0_first publishes a stale time of 0 and is working as its program says.
+      if (silent < own.limit_seconds && r.stale_seconds < r.limit_seconds) continue;
       reported_ = true;  // once (StallAction::Report goes on waiting)
       act(unresponsive_report(own, r, silent, options_.action), "trainloop::StallError", /*consequence=*/false);
       return;
@@ -332,6 +346,7 @@ class StallWatchdog {
   bool reported_ = false;
   bool desync_reported_ = false;
   std::optional<Clock::time_point> verdict_seen_;
+  Clock::time_point last_read_all_{};
   std::map<int, std::pair<std::uint64_t, Clock::time_point>> ticks_seen_;
   std::mutex stop_mutex_;
   std::condition_variable stop_changed_;
