@@ -25,6 +25,7 @@
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/failure_report.hpp>
+#include <trainloop/distributed/launch/spawned_rank.hpp>
 #include <trainloop/distributed/watch/rank_record.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
 #include <trainloop/distributed/watch/stall_report.hpp>
