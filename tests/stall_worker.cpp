@@ -5,7 +5,8 @@
 //
 // Scenarios — a stall on rank 1: sleep_in_forward, blocked_callback, spinning_loader; a desync
 // on rank 1: skipped_collective, other_shape; no stall: slow_progress (rank 1 0.4 s per batch),
-// slow_first_step (rank 1's first forward 5 s), long_checkpoint_write (rank 0 writes for 5 s);
+// slow_first_step (rank 1's first forward 5 s), long_checkpoint_write (rank 0 writes for 5 s),
+// main_process_alone (a main-process-only callback works 10 s on rank 0 while rank 1 waits);
 // report_only: rank 1 sleeps 5 s in forward once with TRAINLOOP_STALL_ACTION=report.
 // The stall limit comes from TRAINLOOP_STALL_LIMIT (the test sets 2 s); the collective timeout is
 // 60 s, far beyond what any case may take. In the launching process it writes <out-dir>/result.txt:
@@ -104,6 +105,14 @@ struct Misbehave : tl::Callback {
   std::string checkpoint;
 };
 
+/// Works 10 s on the main process only (a plot, a file) in step 3: rank 1 waits in the next collective.
+struct SlowOnMainProcess : tl::Callback {
+  bool main_process_only() const override { return true; }
+  void on_step_end(tl::TrainState& state) override {
+    if (scenario == "main_process_alone" && state.global_step == 3) std::this_thread::sleep_for(std::chrono::seconds(10));
+  }
+};
+
 /// Its state takes 5 s to write on rank 0 (a slow file system), inside the checkpoint's write.
 struct SlowToSave : tl::Callback {
   void save_state(torch::serialize::OutputArchive& archive) const override {
@@ -138,7 +147,7 @@ int main(int argc, char** argv) {
   const bool launching = std::getenv("TRAINLOOP_RANK") == nullptr && std::getenv("RANK") == nullptr &&
                          std::getenv("OMPI_COMM_WORLD_RANK") == nullptr;
   try {
-    loop.fit(1, {misbehave, std::make_shared<SlowToSave>()});
+    loop.fit(1, {misbehave, std::make_shared<SlowToSave>(), std::make_shared<SlowOnMainProcess>()});
     if (launching || own_rank() == 0) std::ofstream(dir + "/result.txt") << "OK " << seconds() << "\n";
   } catch (const tl::Error& error) {
     // A rank's StallError or DesyncError arrives as that class with the RankFailedError nested.

@@ -158,6 +158,14 @@ BOOST_AUTO_TEST_CASE(for_a_long_checkpoint_write) {
   BOOST_TEST(!contains(run.output, "stalled"), run.output);
 }
 
+BOOST_AUTO_TEST_CASE(for_a_main_process_callback_working_alone) {
+  // 10 s: past twice the limit + 5 s, when a waiting rank looks for a rank to name from outside.
+  const StallRun run = run_stall("main_process_alone");
+  BOOST_TEST(run.exit_code == 0);
+  BOOST_TEST(contains(run.result, "OK"), run.result);
+  BOOST_TEST(!contains(run.output, "stalled"), run.output);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 BOOST_AUTO_TEST_CASE(report_only_reports_and_training_goes_on) {
