@@ -3,7 +3,8 @@
 //
 //   stall_worker <scenario> <out-dir>
 //
-// Scenarios — a stall on rank 1: sleep_in_forward, blocked_callback, spinning_loader; a desync
+// Scenarios — a stall on rank 1: sleep_in_forward, blocked_callback, spinning_loader, frozen
+// (rank 1 stops itself with SIGSTOP: its watchdog stops too, rank 0 names it); a desync
 // on rank 1: skipped_collective, other_shape; no stall: slow_progress (rank 1 0.4 s per batch),
 // slow_first_step (rank 1's first forward 5 s), long_checkpoint_write (rank 0 writes for 5 s),
 // main_process_alone (a main-process-only callback works 10 s on rank 0 while rank 1 waits);
@@ -15,6 +16,7 @@
 #include "ddp_test_model.hpp"
 
 #include <atomic>
+#include <csignal>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -89,6 +91,7 @@ struct MaybeSpinningDataset : tl::data::TensorDataset {
 struct Misbehave : tl::Callback {
   void on_batch_end(tl::TrainState&) override {
     if (scenario == "blocked_callback" && rank1_at_step3()) user_code::wait_for_a_lock_nobody_releases();
+    if (scenario == "frozen" && rank1_at_step3()) std::raise(SIGSTOP);
     if (scenario == "slow_progress" && own_rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(400));
   }
   void on_step_end(tl::TrainState& state) override {

@@ -111,6 +111,18 @@ BOOST_AUTO_TEST_CASE(a_rank_spinning_in_its_loader) {
   BOOST_TEST(contains(run.result, "loader worker 0"), run.result);
 }
 
+BOOST_AUTO_TEST_CASE(a_frozen_rank_by_a_waiting_one) {
+  // SIGSTOP stops rank 1's watchdog too: after twice the limit + 5 s rank 0 names it from outside.
+  const StallRun run = run_stall("frozen");
+  BOOST_TEST(run.exit_code == 3);
+  BOOST_TEST(contains(run.result, "RANK_FAILED rank=0 type=trainloop::StallError"), run.result);
+  BOOST_TEST(contains(run.result, "trainloop: rank 1 stalled: rank 0 has been blocked for"), run.result);
+  BOOST_TEST(contains(run.result, "its watchdog has not published for"), run.result);
+  BOOST_TEST(contains(run.result, "\n  rank 1"), run.result);  // what rank 1 last published
+  BOOST_TEST(run.seconds < kStartup + 2 * kLimit + 5.0 + 10.0);
+  BOOST_TEST(processes_running("stall_worker") == 0);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 BOOST_AUTO_TEST_SUITE(desyncs_are_named_at_their_collective)

@@ -36,12 +36,14 @@ struct RankRecord {
   std::string waiting_what;        ///< what that wait is for
   double waiting_seconds = 0.0;    ///< for how long
   std::vector<progress::CollectiveCall> calls;  ///< its last collectives, oldest first
+  bool missing = false;            ///< not published: the rank never published a record (not in the text)
 
   /// Calls published per record.
   static constexpr std::size_t kCalls = 16;
 
   /// "epoch 2, step 17 (batch 5 of 40), phase forward (SleepyModel)".
   std::string position() const {
+    if (missing) return "no record published (it froze or ended before its watchdog's first period)";
     std::string text = "epoch " + std::to_string(epoch) + ", step " + std::to_string(step);
     if (batches > 0) text += " (batch " + std::to_string(batch) + " of " + std::to_string(batches) + ")";
     text += ", phase " + std::string(progress::phase_name(phase));

@@ -74,22 +74,25 @@ inline std::string stall_report(const RankRecord& own, const std::vector<RankRec
   return out.str();
 }
 
-/// Rank `silent_rank` never called the collective `own` has waited in for twice the limit, and did
-/// not report itself; its watchdog has not published for `silent_seconds`.
+/// Rank `silent_rank` holds up the collective `own` has waited in for twice the limit (it never
+/// called it, or its process does not answer) and did not report itself; its watchdog has not
+/// published for `silent_seconds`.
 inline std::string unresponsive_report(const RankRecord& own, const RankRecord& silent_rank, double silent_seconds,
                                        StallAction action) {
   std::ostringstream out;
   out.precision(1);
   out << std::fixed << "trainloop: rank " << silent_rank.rank << " stalled: rank " << own.rank << " has been "
-      << own.blocked_in() << " and rank " << silent_rank.rank << " never called it; ";
+      << own.blocked_in() << " and rank " << silent_rank.rank
+      << (silent_rank.issued < own.waiting_seq ? " never called it; " : " called it, but its process does not take part; ");
   if (silent_seconds >= own.limit_seconds) {
     out << "its watchdog has not published for " << silent_seconds
         << " s (its process is stopped or frozen, or its host is down), so it cannot report itself";
   } else {
     out << "it did not report itself (its stall limit is " << silent_rank.limit_seconds << " s)";
   }
-  out << "\n  rank " << silent_rank.rank << " (pid " << silent_rank.pid << " on " << silent_rank.host
-      << "): " << silent_rank.position() << ", last collective "
+  out << "\n  rank " << silent_rank.rank;
+  if (!silent_rank.missing) out << " (pid " << silent_rank.pid << " on " << silent_rank.host << ")";
+  out << ": " << silent_rank.position() << ", last collective "
       << (silent_rank.calls.empty() ? std::string("none") : silent_rank.calls.back().describe()) << "\n  "
       << stall_action_words(action);
   return out.str();

@@ -47,6 +47,7 @@
 #include <string>
 #include <thread>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 namespace trainloop::distributed {
@@ -131,7 +132,8 @@ class StallWatchdog {
   void run() {
     int store_failures = 0;
     std::unique_lock<std::mutex> lock(stop_mutex_);
-    while (!stop_changed_.wait_for(lock, period(), [this] { return stopping_; })) {
+    bool first = true;  // the first record at once: a rank that freezes early is still on the board
+    while (std::exchange(first, false) || !stop_changed_.wait_for(lock, period(), [this] { return stopping_; })) {
       lock.unlock();
       try {
         tick();
@@ -196,6 +198,8 @@ class StallWatchdog {
         records.push_back(std::move(*record));
         auto& seen = ticks_seen_[r];
         if (seen.first != records.back().tick) seen = {records.back().tick, now};
+      } else {
+        ticks_seen_.try_emplace(r, 0, now);  // none yet: silent since now
       }
     }
     return records;
@@ -289,16 +293,25 @@ class StallWatchdog {
   }
 
   /// Waited twice the limit with no verdict: name a rank that stopped publishing or is behind.
-  void judge_from_outside(const RankRecord& own, const std::vector<RankRecord>& records) {
+  void judge_from_outside(const RankRecord& own, const std::vector<RankRecord>& published) {
     const auto now = Clock::now();
-    for (const auto& r : records) {
-      if (r.rank == rank_ || r.issued >= own.waiting_seq) continue;
+    for (int rank = 0; rank < world_size_; ++rank) {
+      if (rank == rank_) continue;
+      // A rank that froze before its first publication has no record: it is named all the same.
+      RankRecord r;
+      r.rank = rank;
+      r.missing = true;
+      for (const auto& record : published) {
+        if (record.rank == rank) r = record;
+      }
       const auto seen = ticks_seen_.find(r.rank);
       const double silent =
           seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
-      // Only a rank that stopped publishing (frozen) or that is stalled by its own measure; one
-      // that is idle or in rank0_first publishes a stale time of 0 and is working as its program says.
-      if (silent < own.limit_seconds && r.stale_seconds < r.limit_seconds) continue;
+      // A rank that stopped publishing (frozen: it may have issued the collective, but its process
+      // cannot take part), or one behind that is stalled by its own measure; one that is idle or in
+      // rank0_first publishes a stale time of 0 and is working as its program says.
+      const bool frozen = silent >= own.limit_seconds;
+      if (!frozen && (r.issued >= own.waiting_seq || r.stale_seconds < r.limit_seconds)) continue;
       reported_ = true;  // once (StallAction::Report goes on waiting)
       act(unresponsive_report(own, r, silent, options_.action), "trainloop::StallError", /*consequence=*/false);
       return;
