@@ -12,6 +12,7 @@
 #include "test_support.hpp"
 
 #include <trainloop/distributed/watch/rank_record.hpp>
+#include <trainloop/distributed/watch/stall_judgement.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
 
 #include <unistd.h>
@@ -280,4 +281,48 @@ BOOST_AUTO_TEST_CASE(the_limit_adapts_to_the_run_and_stays_below_the_timeout) {
   BOOST_TEST(error_of([] { tl::distributed::stall_options_from_environment({}); }) ==
              "trainloop: TRAINLOOP_STALL_ACTION is \"wait\"; expected \"fail\" or \"report\"");
   ::unsetenv("TRAINLOOP_STALL_ACTION");
+}
+
+BOOST_AUTO_TEST_CASE(who_stalled_is_judged_by_the_collective_counts) {
+  using tl::distributed::RankRecord;
+  auto record = [](int rank, std::uint64_t issued, double stale, std::uint64_t waiting_seq) {
+    RankRecord r;
+    r.rank = rank;
+    r.issued = issued;
+    r.stale_seconds = stale;
+    r.limit_seconds = 2.0;
+    r.waiting_seq = waiting_seq;
+    return r;
+  };
+  // Rank 1 stuck after 6 collectives while rank 0 waits in its 7th: rank 1 stalled, rank 0 waits.
+  std::vector<RankRecord> records{record(0, 7, 0.0, 7), record(1, 6, 3.0, 0)};
+  const auto waiting = tl::distributed::ranks_waiting_for(records[1], records, 2);
+  BOOST_REQUIRE(waiting.has_value());
+  BOOST_TEST(waiting->size() == 1u);
+  BOOST_TEST((*waiting)[0]->rank == 0);
+  // NCCL: rank 0's host is stuck too (in a synchronisation, not in wait()), but rank 1 is behind it.
+  records[0] = record(0, 7, 3.0, 0);
+  BOOST_TEST(!tl::distributed::ranks_waiting_for(records[0], records, 2).has_value());
+  BOOST_TEST(tl::distributed::ranks_waiting_for(records[1], records, 2).has_value());
+  // Every rank stuck at the same count: the lowest reports, once.
+  records = {record(0, 6, 3.0, 0), record(1, 6, 3.0, 0)};
+  BOOST_TEST(tl::distributed::ranks_waiting_for(records[0], records, 2).value().empty());
+  BOOST_TEST(!tl::distributed::ranks_waiting_for(records[1], records, 2).has_value());
+  // From outside: rank 0 waits in #7. Rank 1 idle (stale 0, publishing): not named; silent for
+  // longer than the limit (frozen, even having issued #7): named; never published: named.
+  const RankRecord waiter = record(0, 7, 0.0, 7);
+  records = {waiter, record(1, 6, 0.0, 0)};
+  auto silent = [](double seconds) { return [seconds](int) { return seconds; }; };
+  BOOST_TEST(!tl::distributed::unresponsive_rank(waiter, records, 2, silent(0.5)).has_value());
+  records[1] = record(1, 7, 0.0, 0);
+  const auto frozen = tl::distributed::unresponsive_rank(waiter, records, 2, silent(5.0));
+  BOOST_REQUIRE(frozen.has_value());
+  BOOST_TEST(frozen->record.rank == 1);
+  BOOST_TEST(frozen->silent_seconds == 5.0);
+  const auto never = tl::distributed::unresponsive_rank(waiter, {waiter}, 2, silent(5.0));
+  BOOST_REQUIRE(never.has_value());
+  BOOST_TEST(never->record.missing);
+  // Behind and stalled by its own measure, still publishing: named.
+  records[1] = record(1, 6, 3.0, 0);
+  BOOST_TEST(tl::distributed::unresponsive_rank(waiter, records, 2, silent(0.5)).has_value());
 }

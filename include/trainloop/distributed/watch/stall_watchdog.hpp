@@ -10,14 +10,10 @@
 ///   successor, so all ranks agree when each pair does: a desync is found within a period of the
 ///   collective where the ranks part (a skipped collective, another kind, dtype or size);
 /// - when its own progress has stopped for the limit (outside a collective wait, inside fit,
-///   evaluate or predict), reads every rank's record: if another rank issued more collectives (it
-///   waits for this one) or every rank is stuck, this rank stalled — it takes its training thread's
-///   stack (progress/thread_stack.hpp) and reports; with StallAction::Fail it ends as a failed rank
-///   does (its report in the launcher's files, exit status 1), and the waiting ranks, seeing its
-///   verdict in the store, end too (so srun and mpirun, which may wait for every task, end at once);
-/// - when it has waited in a collective for twice the limit without a verdict, reads every record
-///   and names a rank whose watchdog stopped publishing (a process stopped or frozen) or that is
-///   behind it, from outside (no stack).
+///   evaluate or predict), or it has waited in a collective for twice the limit, reads every
+///   record and applies stall_judgement.hpp: the stalled rank reports with its stacks; with
+///   StallAction::Fail it ends as a failed rank does, and the waiting ranks, seeing its verdict in
+///   the store, end too (so srun and mpirun, which may wait for every task, end at once).
 /// Nothing runs per step: the loop only sets the beacon's atomics. The store is met through a
 /// WatchBoard (watch_board.hpp), the reports worded in stall_report.hpp. Outside fit, evaluate and predict (phase idle) nothing is judged a stall: a rank working alone
 /// before a barrier is a program's choice. Desyncs are judged everywhere.
@@ -27,6 +23,7 @@
 #include <trainloop/distributed/launch/failure_report.hpp>
 #include <trainloop/distributed/launch/spawned_rank.hpp>
 #include <trainloop/distributed/watch/rank_record.hpp>
+#include <trainloop/distributed/watch/stall_judgement.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
 #include <trainloop/distributed/watch/stall_report.hpp>
 #include <trainloop/distributed/watch/watch_board.hpp>
@@ -239,22 +236,12 @@ class StallWatchdog {
 
   double period_seconds() const { return static_cast<double>(period().count()) / 1000.0; }
 
-  /// This rank made no progress for its limit: a stall if no rank is behind it and another waits
-  /// for it (issued more collectives), or every rank is stuck at the same collective count. (With
-  /// NCCL a waiting rank's host is stuck too, in a synchronisation: the counts tell them apart.)
+  /// This rank made no progress for its limit: report when it is the rank that stalled.
   void judge_own_stall(const RankRecord& own, const std::vector<RankRecord>& records) {
-    std::vector<const RankRecord*> waiting;
-    bool every_rank_stuck = static_cast<int>(records.size()) == world_size_;
-    for (const auto& r : records) {
-      if (r.rank == rank_) continue;
-      if (r.issued < own.issued) return;  // a rank behind this one: it is the one the others wait for
-      if (r.issued > own.issued || r.waiting_seq > own.issued) waiting.push_back(&r);
-      if (r.stale_seconds < r.limit_seconds && r.waiting_seq == 0) every_rank_stuck = false;
-    }
-    // Every rank stuck and none waiting for another: the lowest rank reports, once for the job.
-    if (waiting.empty() && !(every_rank_stuck && rank_ == records.front().rank)) return;
+    const auto waiting = ranks_waiting_for(own, records, world_size_);
+    if (!waiting) return;
     reported_ = true;
-    act(stall_report(own, records, waiting, thread_stacks_text(rank_, own.phase), options_.action),
+    act(stall_report(own, records, *waiting, thread_stacks_text(rank_, own.phase), options_.action),
         "trainloop::StallError", /*consequence=*/false);
   }
 
@@ -295,27 +282,14 @@ class StallWatchdog {
   /// Waited twice the limit with no verdict: name a rank that stopped publishing or is behind.
   void judge_from_outside(const RankRecord& own, const std::vector<RankRecord>& published) {
     const auto now = Clock::now();
-    for (int rank = 0; rank < world_size_; ++rank) {
-      if (rank == rank_) continue;
-      // A rank that froze before its first publication has no record: it is named all the same.
-      RankRecord r;
-      r.rank = rank;
-      r.missing = true;
-      for (const auto& record : published) {
-        if (record.rank == rank) r = record;
-      }
-      const auto seen = ticks_seen_.find(r.rank);
-      const double silent =
-          seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
-      // A rank that stopped publishing (frozen: it may have issued the collective, but its process
-      // cannot take part), or one behind that is stalled by its own measure; one that is idle or in
-      // rank0_first publishes a stale time of 0 and is working as its program says.
-      const bool frozen = silent >= own.limit_seconds;
-      if (!frozen && (r.issued >= own.waiting_seq || r.stale_seconds < r.limit_seconds)) continue;
-      reported_ = true;  // once (StallAction::Report goes on waiting)
-      act(unresponsive_report(own, r, silent, options_.action), "trainloop::StallError", /*consequence=*/false);
-      return;
-    }
+    const auto found = unresponsive_rank(own, published, world_size_, [&](int rank) {
+      const auto seen = ticks_seen_.find(rank);
+      return seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
+    });
+    if (!found) return;
+    reported_ = true;  // once (StallAction::Report goes on waiting)
+    act(unresponsive_report(own, found->record, found->silent_seconds, options_.action), "trainloop::StallError",
+        /*consequence=*/false);
   }
 
   /// Two ranks' collective #seq differ.
