@@ -89,6 +89,13 @@ void check_desync_ended_the_job(const StallRun& run) {
   BOOST_TEST(processes_running("stall_worker") == 0);
 }
 
+/// The run trained to its end and nobody was reported.
+void check_trained_without_report(const StallRun& run) {
+  BOOST_TEST(run.exit_code == 0);
+  BOOST_TEST(contains(run.result, "OK"), run.result);
+  BOOST_TEST(!contains(run.output, "stalled"), run.output);
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(stalls_are_named)
@@ -151,32 +158,20 @@ BOOST_AUTO_TEST_SUITE_END()
 BOOST_AUTO_TEST_SUITE(no_false_report)
 
 BOOST_AUTO_TEST_CASE(for_a_rank_slow_but_progressing) {
-  const StallRun run = run_stall("slow_progress");
-  BOOST_TEST(run.exit_code == 0);
-  BOOST_TEST(contains(run.result, "OK"), run.result);
-  BOOST_TEST(!contains(run.output, "stalled"), run.output);
+  check_trained_without_report(run_stall("slow_progress"));
 }
 
 BOOST_AUTO_TEST_CASE(for_a_slow_first_step) {
-  const StallRun run = run_stall("slow_first_step");
-  BOOST_TEST(run.exit_code == 0);
-  BOOST_TEST(contains(run.result, "OK"), run.result);
-  BOOST_TEST(!contains(run.output, "stalled"), run.output);
+  check_trained_without_report(run_stall("slow_first_step"));
 }
 
 BOOST_AUTO_TEST_CASE(for_a_long_checkpoint_write) {
-  const StallRun run = run_stall("long_checkpoint_write");
-  BOOST_TEST(run.exit_code == 0);
-  BOOST_TEST(contains(run.result, "OK"), run.result);
-  BOOST_TEST(!contains(run.output, "stalled"), run.output);
+  check_trained_without_report(run_stall("long_checkpoint_write"));
 }
 
 BOOST_AUTO_TEST_CASE(for_a_main_process_callback_working_alone) {
   // 10 s: past twice the limit + 5 s, when a waiting rank looks for a rank to name from outside.
-  const StallRun run = run_stall("main_process_alone");
-  BOOST_TEST(run.exit_code == 0);
-  BOOST_TEST(contains(run.result, "OK"), run.result);
-  BOOST_TEST(!contains(run.output, "stalled"), run.output);
+  check_trained_without_report(run_stall("main_process_alone"));
 }
 
 BOOST_AUTO_TEST_SUITE_END()
