@@ -4,6 +4,7 @@ process or in DistributedDataParallel on CPU ranks (Gloo), doing exactly the wor
 benchmarks/zoo_vs_pytorch.cpp; benchmarks/run_zoo_vs_pytorch.sh alternates both.
 
     /usr/bin/python3 benchmarks/zoo_vs_pytorch.py --arch resnet18 --size 64 --batch-size 32 --steps 20 --mode single
+    python benchmarks/zoo_vs_pytorch.py --timm resnet18 ...   # timm's model, eager (the peer of --exported)
 
 Same work: synthetic N(0,1) images 3 x size x size, 10 classes, world * batch * steps samples,
 each rank its contiguous shard in order, SGD(lr 0.01, momentum 0.9), cross-entropy; single: 2
@@ -32,7 +33,12 @@ def train(rank, world, args, results):
     shard = samples // world
     x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
     torch.manual_seed(0)
-    model = getattr(torchvision.models, args.arch)(num_classes=10)
+    if args.timm:
+        import timm
+        extra = dict(img_size=args.size) if 'vit' in args.timm else {}
+        model = timm.create_model(args.timm, num_classes=10, **extra)
+    else:
+        model = getattr(torchvision.models, args.arch)(num_classes=10)
     if args.memory_format == "channels-last":
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -85,6 +91,7 @@ class ListQueue(list):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet18")
+    parser.add_argument("--timm", default="", help="train this timm model (eager) instead of torchvision's --arch")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)

@@ -11,6 +11,7 @@ macro(trainloop_find_dependencies)
   find_dependency(Threads)
   find_dependency(ZLIB)
   find_dependency(range-v3)
+  find_dependency(nlohmann_json 3.2)
   trainloop_prepare_torch_search()
   find_dependency(Torch)
   trainloop_check_torch()
@@ -130,7 +131,8 @@ function(trainloop_find_gloo_headers found_var)
   endif()
 endfunction()
 
-# Attaches libtorch, range-v3, zlib, threads and the c10d definitions to `target`.
+# Attaches libtorch, range-v3, nlohmann-json (the JSON of PT2 archives), zlib, threads and the
+# c10d definitions to `target`.
 #
 # On trainloop's own (non-imported) target everything is wrapped in $<BUILD_INTERFACE:...>:
 # ${TORCH_LIBRARIES} holds absolute paths (libc10.so, CUDA libraries) that must not be frozen
@@ -141,7 +143,7 @@ endfunction()
 # INTERFACE_COMPILE_OPTIONS.
 function(trainloop_link_dependencies target)
   get_target_property(imported ${target} IMPORTED)
-  set(libraries ${TORCH_LIBRARIES} range-v3::range-v3 ZLIB::ZLIB Threads::Threads)
+  set(libraries ${TORCH_LIBRARIES} range-v3::range-v3 nlohmann_json::nlohmann_json ZLIB::ZLIB Threads::Threads)
   set(include_dirs "")
   # libstdc++ first among the program's libraries. pip torch's libtorch_cpu.so exports copies of
   # libstdc++'s std::filesystem functions, linked into it statically (pytorch issue 133437). A
@@ -208,7 +210,8 @@ function(trainloop_make_dependencies_global)
     set(imported ${TRAINLOOP_CREATED_IMPORTED_TARGETS})
   else()
     # Best effort without the IMPORTED_TARGETS directory property: the names trainloop links.
-    set(imported torch torch_cpu torch_cuda c10 c10_cuda torch_library range-v3::range-v3 range-v3 ZLIB::ZLIB
+    set(imported torch torch_cpu torch_cuda c10 c10_cuda torch_library range-v3::range-v3 range-v3
+        nlohmann_json::nlohmann_json ZLIB::ZLIB
         Threads::Threads)
   endif()
   foreach(target IN LISTS imported)
@@ -232,6 +235,7 @@ if(NOT TRAINLOOP_LOADING_PACKAGE_CONFIG)
   find_package(Threads REQUIRED)
   find_package(ZLIB REQUIRED)
   find_package(range-v3 REQUIRED)
+  find_package(nlohmann_json 3.2 REQUIRED)
   # A parent project that found Torch already: its targets are visible here, and a second
   # find_package(Torch) would fail with a CUDA libtorch (Caffe2's cuda.cmake creates
   # caffe2::cuda and friends without checking whether they exist).

@@ -9,7 +9,10 @@
 // Here:
 //   image_classifier --data ROOT --size 128 --epochs 2 --precision bf16 --gpu-mode ddp
 //   image_classifier --data ROOT --arch resnet18 --pretrained resnet18.pth --epochs 0   # evaluate only
-//   image_classifier --data ROOT --scripted model.pt --export trained.pt                  # a Python model
+//   image_classifier --data ROOT --exported model.pt2 --export trained.pt2                # a Python model
+//   image_classifier --data ROOT --scripted model.pt --export trained.pt                  # ... from TorchScript
+//
+// --exported takes a torch.export program (examples/export_timm_model.py writes one from a timm model).
 //
 // ROOT/train/<class>/<image> and ROOT/test/<class>/<image> as torchvision's ImageFolder reads them
 // (scripts/export-fashion-mnist-images.sh writes Fashion-MNIST so, in RGB at any size).
@@ -26,7 +29,8 @@
 namespace {
 
 struct Arguments {
-  std::string data, arch = "xresnet50", pretrained, scripted, export_to, precision = "fp32", memory_format = "auto";
+  std::string data, arch = "xresnet50", pretrained, exported, scripted, export_to, precision = "fp32";
+  std::string memory_format = "auto";
   int64_t size = 128, epochs = 2, batch_size = 64, workers = 2;
   double lr = 1e-3;
   uint64_t seed = 0;
@@ -34,7 +38,7 @@ struct Arguments {
 };
 
 /// Trains (unless --epochs 0), evaluates on ROOT/test and exports: the same program for a zoo
-/// model and a TorchScript one.
+/// model, a torch.export program and a TorchScript one.
 template <class Model>
 void train_and_evaluate(Model model, const Arguments& args, const trainloop::data::ImageFolder& train,
                         const trainloop::data::ImageFolder& test) {
@@ -58,6 +62,12 @@ void train_and_evaluate(Model model, const Arguments& args, const trainloop::dat
   if (args.export_to.empty()) return;
   if constexpr (std::is_same_v<Model, interop::ScriptModule>) {
     model->save(args.export_to);  // Python: torch.jit.load(path)
+  } else if constexpr (std::is_same_v<Model, interop::ExportedProgram>) {
+    if (std::filesystem::path(args.export_to).extension() == ".pt2") {
+      model->save(args.export_to);  // Python: torch.export.load(path)
+    } else {
+      model->save_state_dict(args.export_to);  // Python: timm_model.load_state_dict(torch.load(path))
+    }
   } else {
     interop::save_python_state_dict(*model, args.export_to);  // Python: model.load_state_dict(torch.load(path))
   }
@@ -67,7 +77,7 @@ void train_and_evaluate(Model model, const Arguments& args, const trainloop::dat
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Train a zoo or TorchScript image classifier on an image folder (the fastai blog's program)"};
+  CLI::App app{"Train a zoo, torch.export or TorchScript image classifier on an image folder (the fastai blog's program)"};
   Arguments args;
   app.add_option("--data", args.data, "ROOT holding train/<class>/<image> and test/<class>/<image>")->required();
   app.add_option("--size", args.size, "training crop and test size in pixels")->check(CLI::PositiveNumber);
@@ -75,8 +85,10 @@ int main(int argc, char** argv) {
   for (const auto& name : trainloop::models::available()) zoo += (zoo.empty() ? "" : ", ") + name;
   app.add_option("--arch", args.arch, "a model of the zoo: " + zoo);
   app.add_option("--pretrained", args.pretrained, "start from a Python state_dict of that architecture (torch.save)");
+  app.add_option("--exported", args.exported, "train this torch.export program (torch.export.save, a .pt2) instead");
   app.add_option("--scripted", args.scripted, "train this TorchScript model (torch.jit.script(model).save) instead");
-  app.add_option("--export", args.export_to, "after training, write the weights for Python (--scripted: TorchScript)");
+  app.add_option("--export", args.export_to, "after training, write the weights for Python: a state_dict (--exported: a "
+                                             ".pt2 path writes the program; --scripted: TorchScript)");
   app.add_option("--epochs", args.epochs, "training epochs; 0: evaluate the (loaded) model only")->check(CLI::NonNegativeNumber);
   app.add_option("--batch-size", args.batch_size, "samples per batch (per rank in ddp)")->check(CLI::PositiveNumber);
   app.add_option("--lr", args.lr, "peak learning rate of the flat-cos schedule");
@@ -93,8 +105,9 @@ int main(int argc, char** argv) {
 
   try {
     namespace data = trainloop::data;
-    TRAINLOOP_CHECK(args.pretrained.empty() || args.scripted.empty(), "--pretrained is ", args.pretrained,
-                    " and --scripted is ", args.scripted, "; expected at most one of them");
+    TRAINLOOP_CHECK(int(!args.pretrained.empty()) + int(!args.exported.empty()) + int(!args.scripted.empty()) <= 1,
+                    "--pretrained is '", args.pretrained, "', --exported '", args.exported, "' and --scripted '",
+                    args.scripted, "'; expected at most one of them");
     const std::vector<double> mean{0.485, 0.456, 0.406}, std{0.229, 0.224, 0.225};  // ImageNet's, as fastai's
     const auto options = data::ImageFolderOptions().channels(3).seed(args.seed);
     const std::filesystem::path root(args.data);
@@ -105,7 +118,9 @@ int main(int argc, char** argv) {
     TRAINLOOP_CHECK(train.classes() == test.classes(), "train/ has ", train.classes().size(), " classes and test/ ",
                     test.classes().size(), "; expected the same class directories in both");
     torch::manual_seed(args.seed);
-    if (!args.scripted.empty()) {
+    if (!args.exported.empty()) {
+      train_and_evaluate(trainloop::interop::ExportedProgram(args.exported), args, train, test);
+    } else if (!args.scripted.empty()) {
       train_and_evaluate(trainloop::interop::ScriptModule(args.scripted), args, train, test);
     } else {
       trainloop::models::ImageClassifier model(

@@ -5,7 +5,7 @@
 #
 #   scripts/gather-gpu-deps.sh [DIR]        # default DIR: .gpu-deps (ignored by git)
 #
-#   DIR/prefix/       range-v3 and CLI11 headers with their CMake packages (relocatable), zlib's
+#   DIR/prefix/       range-v3, nlohmann-json and CLI11 headers with their CMake packages (relocatable), zlib's
 #                     headers, and the headers of header-only Boost.Test (tests/unit_test.hpp)
 #   DIR/gloo/include  Debian's Gloo headers, used only when the torch wheel ships none
 #   DIR/data/         Fashion-MNIST (the example's data)
@@ -20,6 +20,8 @@ mkdir -p "$out/prefix/include" "$out/prefix/lib/cmake" "$out/prefix/share/cmake"
 
 cp -r /usr/include/range /usr/include/meta /usr/include/concepts /usr/include/std "$out/prefix/include/"
 cp -r /usr/lib/cmake/range-v3 "$out/prefix/lib/cmake/"
+cp -r /usr/include/nlohmann "$out/prefix/include/"
+cp -r /usr/share/cmake/nlohmann_json "$out/prefix/share/cmake/"
 cp -r /usr/include/CLI "$out/prefix/include/"
 cp -r /usr/share/cmake/CLI11 "$out/prefix/share/cmake/"
 cp /usr/include/zlib.h /usr/include/zconf.h "$out/prefix/include/"

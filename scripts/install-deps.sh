@@ -21,12 +21,15 @@ usage() {
 # build (CUDA 13.0, NCCL 2.28). torchvision 0.26 is 2.11's.
 torch_version=2.11.0
 torchvision_version=0.26.0
+# timm: the Python models the torch.export tests export (random init, no hub download).
+timm_version=1.0.31
 venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/trainloop/torch-$torch_version}
 
 packages=(
   build-essential cmake            # compiler, CMake >= 3.18
   libgloo-dev                      # Gloo's headers: libtorch's c10d headers include them (pip wheels ship none)
   librange-v3-dev zlib1g-dev       # header dependencies of trainloop::trainloop
+  nlohmann-json3-dev               # the JSON of torch.export's PT2 archives (interop::ExportedProgram)
   libjpeg62-turbo-dev libpng-dev   # ImageFolder's JPEG and PNG decoding (optional for users)
   libcairo2-dev                    # training-curve plots as PNG (optional for users; SVG without)
   libopenblas0-pthread             # fast BLAS for Debian's libtorch (the reference BLAS is ~13x slower)
@@ -99,6 +102,16 @@ else
   "${as_root[@]}" apt-get update -q
   "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+install_timm() {
+  if "$venv/bin/python" -c "import timm, sys; sys.exit(timm.__version__ != '$timm_version')" 2>/dev/null; then
+    return
+  fi
+  echo "install-deps.sh: installing timm $timm_version into $venv (the models the torch.export tests export)"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "timm==$timm_version" "torch==$torch_version" \
+    "torchvision==$torchvision_version"
+}
+
 if [[ $libtorch != debian ]]; then
   install_pip_torch
+  install_timm
 fi

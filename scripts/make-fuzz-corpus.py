@@ -2,7 +2,9 @@
 """Writes the seed corpus of tests/fuzz/fuzz_weight_files.cpp: the data.pkl of state_dicts that
 Python's torch.save writes (and of a TorchScript archive), and whole files, each prefixed by the
 byte that tells the fuzz target how to read it (0: a torch.save state_dict's pickle; 1: a
-TorchScript archive's pickle; 2: a whole torch.save file; 3: a whole TorchScript archive).
+TorchScript archive's pickle; 2: a whole torch.save file; 3: a whole TorchScript archive; with a
+torch that has torch.export, 4: a whole PT2 archive of torch.export.save, 5: its program's JSON,
+6: its weights config).
 
     scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
 
@@ -84,6 +86,21 @@ def llama7b_layout():
     return state
 
 
+def export_seeds(small):
+    """A torch.export.save archive of `small` (train mode, dynamic batch: its BatchNorm updates
+    buffers in place), and its program's JSON and weights config on their own."""
+    if not hasattr(torch, 'export') or not hasattr(torch.export, 'save'):
+        return {}
+    example = torch.randn(4, 3, 5, 5)
+    program = torch.export.export(small.train(), (example,), dynamic_shapes=({0: torch.export.Dim('batch')},))
+    archive = saved(program, save=torch.export.save)
+    records = zipfile.ZipFile(io.BytesIO(archive))
+    def record(suffix):
+        return next(records.read(name) for name in records.namelist() if name.endswith(suffix))
+    return {'pt2_file': (4, archive), 'pt2_program': (5, record('models/model.json')),
+            'pt2_weights_config': (6, record('data/weights/model_weights_config.json'))}
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -109,6 +126,7 @@ def main():
         'file_state_dict': (2, saved(small.state_dict())),
         'file_no_methods': (3, without_methods(saved(torch.jit.script(small), save=torch.jit.save))),
     }
+    seeds.update(export_seeds(small))
     for name, (flavor, pickle) in seeds.items():
         with open(os.path.join(out, name), 'wb') as f:
             f.write(bytes([flavor]) + pickle)

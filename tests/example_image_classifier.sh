@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # examples/image_classifier against Python, end to end: a resnet18 trained in Python and loaded
-# with --pretrained (a state_dict) or --scripted (TorchScript), evaluated with --epochs 0, scores
+# with --pretrained (a state_dict) or --scripted (TorchScript), or a timm model exported with
+# torch.export (--exported, where Python has timm), evaluated with --epochs 0, scores
 # what Python scored on the same images; a model trained here and written with --export scores in
 # Python what it scored here; bad input is a clear error. Skipped without a python3 that imports
 # torch and torchvision (scripts/install-deps.sh installs Debian's).
@@ -68,6 +69,11 @@ elif command == 'state_dict':
     evaluate(model)
 elif command == 'scripted':
     evaluate(torch.jit.load(sys.argv[3]))
+elif command == 'exported':  # a .pt2's weights in the timm model it was exported from (strict)
+    import timm
+    model = timm.create_model('resnet18', num_classes=4)
+    model.load_state_dict(torch.export.load(sys.argv[3]).state_dict, strict=True)
+    evaluate(model)
 PY
 
 accuracy_of() { grep -ao "test accuracy [0-9.e-]*" <<< "$1" | awk '{print $3}'; }
@@ -97,6 +103,19 @@ ours=$("$example" "${common[@]}" --scripted "$work/resnet18_scripted.pt" --epoch
 check_same "trained here, --scripted --export as TorchScript, evaluated in Python" \
   "$ours" "$("$python" "$work/reference.py" scripted "$work" "$work/cpp_scripted.pt")"
 
+# A timm model exported by torch.export (examples/export_timm_model.py), where Python has both.
+if "$python" -c 'import torch, timm; torch.export.save' > /dev/null 2>&1; then
+  "$python" "$(dirname "$0")/../examples/export_timm_model.py" resnet18 --classes 4 --size 32 --out "$work/timm.pt2"
+  check_same "a timm model exported by torch.export, --exported --epochs 0" \
+    "$("$example" "${common[@]}" --exported "$work/timm.pt2" --epochs 0)" \
+    "$("$python" "$work/reference.py" exported "$work" "$work/timm.pt2")"
+  ours=$("$example" "${common[@]}" --exported "$work/timm.pt2" --epochs 1 --export "$work/cpp_timm.pt2")
+  check_same "trained here, --exported --export as a .pt2, its weights in timm's model in Python" \
+    "$ours" "$("$python" "$work/reference.py" exported "$work" "$work/cpp_timm.pt2")"
+else
+  echo "skipped the --exported cases: $python has no torch.export or timm"
+fi
+
 # Bad input: a clear error and a non-zero exit.
 expect_error() {
   local what=$1 pattern=$2; shift 2
@@ -113,4 +132,5 @@ data=(--data "$work/images" --size 32 --workers 0 --epochs 0)
 expect_error "an unknown architecture" 'architecture is "resnet19"; expected one of resnet18' "${data[@]}" --arch resnet19
 expect_error "a state_dict of another architecture" "does not fit the model: 134 missing (0.0.weight" "${data[@]}" --arch xresnet18 --pretrained "$work/resnet18_state.pt"
 expect_error "a state_dict given as TorchScript" "not a TorchScript model" "${data[@]}" --scripted "$work/resnet18_state.pt"
+expect_error "a state_dict given as a torch.export program" "not a PT2 archive" "${data[@]}" --exported "$work/resnet18_state.pt"
 echo "PASS"

@@ -6,5 +6,6 @@
 
 #include <trainloop/interop/load_state_dict.hpp>
 #include <trainloop/interop/python_state_dict.hpp>
+#include <trainloop/interop/exported_program.hpp>
 #include <trainloop/interop/script_module.hpp>
 #include <trainloop/interop/state_dict.hpp>

@@ -1,5 +1,5 @@
 // libFuzzer target over every reader of weight files from strangers (include/trainloop/serialization/):
-// the first byte of an input picks what the rest is (its low two bits):
+// the first byte of an input picks what the rest is (its low three bits):
 //   0: a pickle read as torch.save's data.pkl, storages of up to 2^16 elements made in memory;
 //   1: the same, read as a TorchScript archive's pickle (objects of __torch__ classes);
 //   2: a whole file read as interop::load_state_dict reads one: the zip directory's checks,
@@ -8,13 +8,24 @@
 //      (the zip directory, no code defining methods, every pickle libtorch will read within the
 //      safe reader's limits) and, when that passes, libtorch's own torch::jit::load — what
 //      TrainLoop::load_checkpoint and interop::ScriptModule do next. A crash there is a file the
-//      check let through.
+//      check let through;
+//   4, 7: a whole file read as interop::ExportedProgram reads a PT2 archive (torch.export.save):
+//      the zip directory, the JSON program (schema, signature, nodes), every operator resolved
+//      and every argument checked against its schema, the weights' sizes, strides and offsets;
+//   5: the same, with the input as the program's models/model.json in a valid archive (the tiny
+//      program of tests/pt2_fixture.hpp), so mutations reach the graph checks at once;
+//   6: the same, with the input as its data/weights/model_weights_config.json.
 // Then what a reader does with the result is done too: every tensor's bytes are read (so a view
 // outside its storage is an ASan report, not a silent read).
 //
 // Built and run by the ctest test `fuzz_weight_files` (tests/fuzz/run_fuzz.cmake) with clang's
 // -fsanitize=fuzzer,address; seeds: tests/fuzz/corpus (scripts/make-fuzz-corpus.py).
+#include "../pt2_fixture.hpp"
+
+#include <trainloop/serialization/export_graph.hpp>
+#include <trainloop/serialization/graph_program.hpp>
 #include <trainloop/serialization/pickle_reader.hpp>
+#include <trainloop/serialization/pt2_archive.hpp>
 #include <trainloop/serialization/torch_archive.hpp>
 
 #include <torch/script.h>
@@ -112,16 +123,52 @@ void read_file_bytes(std::string_view bytes, bool as_torchscript) {
   }
 }
 
+/// Reads the scratch file as interop::ExportedProgram does, short of registering the tensors in
+/// a module: every program, its graph compiled against the dispatcher, every tensor read and touched.
+void read_pt2_file() {
+  try {
+    Pt2Archive archive(scratch_file());
+    for (const auto& name : archive.programs()) {
+      const auto graph = read_export_graph(archive, name);
+      const GraphProgram program(graph);
+      for (const char* kind : {"weights", "constants"}) {
+        const std::string directory = std::string("data/") + kind + "/";
+        for (const auto& payload : archive.read_payloads(directory + name + "_" + kind + "_config.json", directory)) {
+          touch(payload.tensor);
+        }
+      }
+    }
+  } catch (const trainloop::CheckpointError&) {
+  }
+}
+
+void read_pt2_bytes(std::string_view bytes) {
+  std::ofstream(scratch_file(), std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  read_pt2_file();
+}
+
+/// The tiny program's archive with record `name` replaced by `bytes`.
+void read_pt2_with_record(const std::string& name, std::string_view bytes) {
+  static const pt2_fixture::Records base = pt2_fixture::tiny_records();
+  auto records = base;
+  records[name] = std::string(bytes);
+  pt2_fixture::write_archive(scratch_file(), records);
+  read_pt2_file();
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string_view bytes(reinterpret_cast<const char*>(data + 1), size - 1);
-  switch (data[0] & 3) {
+  switch (data[0] & 7) {
     case 0: read_pickle_bytes(bytes, PickleFlavor::StateDict); break;
     case 1: read_pickle_bytes(bytes, PickleFlavor::TorchScript); break;
     case 2: read_file_bytes(bytes, /*as_torchscript=*/false); break;
-    default: read_file_bytes(bytes, /*as_torchscript=*/true); break;
+    case 3: read_file_bytes(bytes, /*as_torchscript=*/true); break;
+    case 5: read_pt2_with_record("models/model.json", bytes); break;
+    case 6: read_pt2_with_record("data/weights/model_weights_config.json", bytes); break;
+    default: read_pt2_bytes(bytes); break;
   }
   return 0;
 }
