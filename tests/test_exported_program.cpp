@@ -103,6 +103,33 @@ BOOST_AUTO_TEST_CASE(a_program_runs_as_its_eager_module_in_train_and_eval) {
   BOOST_TEST(!replica->is_training());
   BOOST_TEST(torch::equal(replica->forward(x), model->forward(x)));
   BOOST_TEST(replica->named_parameters()["fc1.weight"].data_ptr() != model->named_parameters()["fc1.weight"].data_ptr());
+  // What to() changes is what the replica computes with, buffers included.
+  replica->to(torch::kDouble);
+  BOOST_TEST(torch::allclose(replica->forward(x.to(torch::kDouble)), model->forward(x).to(torch::kDouble), 1e-5, 1e-6));
+}
+
+BOOST_AUTO_TEST_CASE(batch_norm_without_running_statistics_uses_the_batch_in_eval_too) {
+  // BatchNorm1d(3, track_running_stats=False): running_mean and running_var are None, and Python
+  // normalizes with the batch's statistics in train and eval alike.
+  json program = pt2_fixture::tiny_program();
+  auto& nodes = program["graph_module"]["graph"]["nodes"];
+  for (auto& node : nodes) {
+    if (node["name"] != "batch_norm") continue;
+    node["inputs"][3]["arg"] = {{"as_none", true}};
+    node["inputs"][4]["arg"] = {{"as_none", true}};
+  }
+  nodes.erase(1);  // no num_batches_tracked increment
+  TempDir dir("tl-export-bn");
+  pt2_fixture::write_archive(dir.path / "tiny.pt2", pt2_fixture::tiny_records(program));
+  interop::ExportedProgram model(dir.path / "tiny.pt2");
+  BOOST_TEST(model->program().mode_dependent_nodes() == 0u);
+  std::map<std::string, torch::Tensor> eager;
+  for (const auto& [name, tensor] : pt2_fixture::tiny_weights()) eager[name] = tensor;
+  torch::Tensor none;
+  const auto x = torch::randn({6, 4});
+  model->eval();
+  torch::NoGradGuard no_grad;
+  BOOST_TEST(torch::equal(model->forward(x), tiny_eager(eager, none, none, x, /*training=*/true)));
 }
 
 BOOST_AUTO_TEST_CASE(sizes_the_program_was_not_exported_for_are_clear_errors) {
@@ -198,6 +225,28 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
          r["data/weights/model_weights_config.json"] = config.dump();
        },
        {"tensor 'fc2.bias' has sizes [1]; expected [2]"}},
+      {"an operator that reads files", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten.from_file.default"; },
+       {"calls aten::from_file, which reads a file or rebinds a tensor's storage"}},
+      {"a view without bounds checks", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten._reshape_alias.default"; },
+       {"calls aten::_reshape_alias, which reads a file or rebinds a tensor's storage"}},
+      {"a private operator", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten._fused_sdp_choice.default"; },
+       {"is a private aten operator that torch.export's training graphs do not use"}},
+      {"a constant written in place", [&](json& p, auto&) { node_named(p, "add_")["inputs"][0]["arg"] = {{"as_float", 1.0}}; },
+       {"writes its argument 'self' in place, which is a constant of the program"}},
+      {"a name with an empty part", [](json& p, auto&) {
+         p["graph_module"]["signature"]["input_specs"][1]["parameter"]["parameter_name"] = "fc1..bias";
+       },
+       {"names a tensor \"fc1..bias\"; expected a dotted path of non-empty names"}},
+      {"a name given twice", [](json& p, auto&) {
+         p["graph_module"]["signature"]["input_specs"][1]["parameter"]["parameter_name"] = "fc1.weight";
+       },
+       {"names the tensor \"fc1.weight\" twice"}},
+      {"overlapping elements", [](json&, auto& r) {
+         auto config = json::parse(r["data/weights/model_weights_config.json"]);
+         config["config"]["fc1.weight"]["tensor_meta"]["strides"] = pt2_fixture::sizes_of({0, 1});
+         r["data/weights/model_weights_config.json"] = config.dump();
+       },
+       {"entry \"fc1.weight\" has a dimension of size 3 with stride 0, which puts two elements on one place"}},
       {"JSON nested too deeply", [](json&, auto& r) { r["models/model.json"] = std::string(100000, '[') + std::string(100000, ']'); },
        {"levels deep; expected at most 64"}},
       {"malformed JSON", [](json&, auto& r) { r["models/model.json"] = "{\"graph_module\": "; },

@@ -149,8 +149,9 @@ class ExportedProgramImpl : public torch::nn::Module {
   ExportedProgramImpl(const ExportedProgramImpl& other, std::vector<torch::Tensor> state)
       : torch::nn::Module("ExportedProgram"), program_(other.program_), source_(other.source_),
         names_(other.names_), kinds_(other.kinds_), classes_(other.classes_), not_in_state_dict_(other.not_in_state_dict_) {
-    for (size_t i = 0; i < state.size(); ++i) register_state(names_[i], kinds_[i], state[i]);
-    state_ = std::move(state);
+    // register_state returns the registered tensor (a buffer's is a new, detached one): that is
+    // the one to() and the replicas' copies update.
+    for (size_t i = 0; i < state.size(); ++i) state_.push_back(register_state(names_[i], kinds_[i], state[i]));
   }
 
   static std::string choose_program(const serialization::Pt2Archive& archive, const std::string& wanted) {

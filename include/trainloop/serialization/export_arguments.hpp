@@ -72,7 +72,10 @@ inline ArgumentRecipe make_argument_recipe(const nlohmann::json& argument, const
                                            const std::string& where, const SlotLookup& slot_of) {
   using trainloop::detail::concat;
   const std::string what = where + " argument '" + expected.name() + "'";
-  auto [kind, value] = json_union(argument, what);
+  // Not a structured binding: the lambdas below capture them (C++17, which the fuzz target builds in).
+  const auto unioned = json_union(argument, what);
+  const std::string& kind = unioned.first;
+  const nlohmann::json* value = unioned.second;
   const c10::TypePtr declared = expected.type();
   const c10::TypePtr type = detail::without_optional(declared);
   const c10::TypePtr element = detail::list_element(type);

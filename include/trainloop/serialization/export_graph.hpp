@@ -70,9 +70,10 @@ struct ExportNode {
 
 /// @brief A program read from its JSON; see the file comment.
 struct ExportGraph {
-  std::string program;                     ///< "<file>'s program <name>", for messages
+  std::string program;                     ///< "FILE's program NAME", for messages
   std::shared_ptr<const nlohmann::json> document;  ///< what the nodes' pointers point into
-  int64_t schema_major = 0, schema_minor = 0;      ///< its export schema version
+  int64_t schema_major = 0;                ///< its export schema's major version
+  int64_t schema_minor = 0;                ///< and minor version
   std::string torch_version;               ///< the torch that wrote it, when it says
   std::vector<ExportInput> inputs;         ///< placeholders, in graph order
   std::string output;                      ///< the graph value the program returns (its one user output)
@@ -125,7 +126,7 @@ inline std::vector<std::pair<std::string, std::string>> module_stack(const std::
 
 }  // namespace detail
 
-/// @brief Reads program `name` of `archive` (its models/<name>.json).
+/// @brief Reads program `name` of `archive` (its `models/NAME.json`).
 /// @throws trainloop::CheckpointError naming the program for another schema major version, a
 ///         missing or mistyped field, a signature trainloop cannot train (not exactly one tensor
 ///         in and one tensor out, custom objects, tokens, mutated inputs).
@@ -192,6 +193,18 @@ inline ExportGraph read_export_graph(const Pt2Archive& archive, const std::strin
                         "constants and one tensor input (custom objects, tokens and constant inputs are not supported)"));
     }
     graph.inputs.push_back(std::move(input));
+  }
+  // The names the tensors are registered under in the module tree: dotted paths of non-empty
+  // parts, each once.
+  std::unordered_set<std::string> targets;
+  for (const auto& input : graph.inputs) {
+    if (input.kind == ExportInput::Kind::UserInput) continue;
+    const std::string& name = input.target;
+    const bool empty_part = name.empty() || name.front() == '.' || name.back() == '.' || name.find("..") != std::string::npos;
+    if (empty_part) {
+      throw fail(concat("names a tensor ", quote_untrusted(name), "; expected a dotted path of non-empty names (\"layer1.0.weight\")"));
+    }
+    if (!targets.insert(name).second) throw fail(concat("names the tensor ", quote_untrusted(name), " twice; expected each once"));
   }
   if (user_inputs != 1) {
     throw fail(concat("takes ", user_inputs, " tensor inputs; expected exactly one (forward(x)), the loop's contract: "

@@ -20,12 +20,14 @@
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/export_arguments.hpp>
 #include <trainloop/serialization/export_graph.hpp>
+#include <trainloop/serialization/operator_policy.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -177,6 +179,8 @@ class GraphProgram {
       compile_positional(step, node, where, lookup);
       return step;
     }
+    const std::string refused = refused_operator_reason(space, op_name);
+    if (!refused.empty()) throw refuse(concat("calls ", full, ", which ", refused));
     const auto handle = c10::Dispatcher::singleton().findSchema({full, overload == "default" ? "" : overload});
     if (!handle) {
       throw refuse(concat("calls ", full, ".", overload, ", which this libtorch (", TORCH_VERSION,
@@ -208,36 +212,56 @@ class GraphProgram {
 
   /// Records how eval mode differs for this node, or refuses one that cannot be switched.
   void switch_mode(Step& step, const c10::FunctionSchema& schema, const std::string& op_name, const std::string& where) {
+    using trainloop::detail::concat;
     static const std::map<std::string, std::string> flags = {
         {"batch_norm", "training"},    {"native_batch_norm", "training"},   {"_native_batch_norm_legit", "training"},
         {"dropout", "train"},          {"feature_dropout", "train"},        {"alpha_dropout", "train"},
         {"feature_alpha_dropout", "train"}, {"native_dropout", "train"}};
     const auto known = flags.find(op_name);
     const auto& arguments = schema.arguments();
+    // Python's BatchNorm normalizes with the batch's statistics in eval too when it keeps none
+    // (track_running_stats=False: running_mean and running_var are None).
+    bool without_running_stats = false;
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (arguments[i].name() == "running_mean" && step.arguments[i].kind == ArgumentRecipe::Kind::Constant &&
+          step.arguments[i].constant.isNone()) {
+        without_running_stats = true;
+      }
+    }
     for (size_t i = 0; i < arguments.size(); ++i) {
       const auto& name = arguments[i].name();
       if (name != "train" && name != "training") continue;
       if (known == flags.end() || known->second != name || step.arguments[i].kind != ArgumentRecipe::Kind::Constant) {
-        throw CheckpointError(trainloop::detail::concat(
-            "trainloop: ", where, " has a training flag '", name, "' that trainloop does not know how to switch for eval "
-            "mode; expected only batch_norm's and the dropouts' flags as constants"));
+        throw CheckpointError(concat("trainloop: ", where, " has a training flag '", name, "' that trainloop does not know "
+                                     "how to switch for eval mode; expected only batch_norm's and the dropouts' flags as constants"));
       }
       const auto& flag = step.arguments[i].constant;
       (flag.isBool() && flag.toBool() ? flags_on_ : flags_off_) += 1;
+      if (without_running_stats) continue;
       step.eval_arguments.emplace_back(i, c10::IValue(false));
       ++mode_dependent_;
     }
-    // In-place writes to buffers: only BatchNorm's num_batches_tracked += 1 is known (not done in eval).
+    // In-place writes: never into a constant of the program (shared by every run and replica);
+    // into buffers only BatchNorm's (its running statistics, whose update its training flag
+    // decides, and num_batches_tracked += 1, not done in eval).
     for (size_t i = 0; i < arguments.size(); ++i) {
       const auto* alias = arguments[i].alias_info();
-      if (!alias || !alias->isWrite() || step.arguments[i].kind != ArgumentRecipe::Kind::Value) continue;
+      if (!alias || !alias->isWrite()) continue;
+      if (step.arguments[i].kind == ArgumentRecipe::Kind::Constant && !step.arguments[i].constant.isNone()) {
+        throw CheckpointError(concat("trainloop: ", where, " writes its argument '", arguments[i].name(), "' in place, ",
+                                     "which is a constant of the program; expected in-place operators on graph values only"));
+      }
+      if (step.arguments[i].kind != ArgumentRecipe::Kind::Value) continue;
       const auto buffer = buffers_.find(step.arguments[i].slot);
       if (buffer == buffers_.end()) continue;
+      const bool running_stat = known != flags.end() && known->second == "training" &&
+                                (arguments[i].name() == "running_mean" || arguments[i].name() == "running_var");
+      if (running_stat) continue;
       const std::string counter = "num_batches_tracked";
       const bool increment = op_name == "add_" && buffer->second.size() >= counter.size() &&
                              buffer->second.compare(buffer->second.size() - counter.size(), counter.size(), counter) == 0;
       if (!increment) {
-        throw CheckpointError(trainloop::detail::concat(
+        throw CheckpointError(concat(
             "trainloop: ", where, " writes the buffer ", quote_untrusted(buffer->second), " in place, and trainloop cannot ",
             "tell whether eval mode would; expected buffer writes only by BatchNorm (its running statistics and ",
             "num_batches_tracked)"));
@@ -426,26 +450,45 @@ class GraphProgram {
     stack = {c10::IValue(result)};
   }
 
+  /// Python's int arithmetic on 64 bits; what would overflow is an error, not undefined behaviour.
   static c10::IValue arithmetic(const std::string& operation, const std::vector<c10::IValue>& arguments) {
     auto number = [](const c10::IValue& value) { return value.isBool() ? int64_t(value.toBool()) : value.toInt(); };
     const int64_t a = number(arguments[0]), b = arguments.size() > 1 ? number(arguments[1]) : 0;
-    if (operation == "neg") return -a;
-    if (operation == "add") return a + b;
-    if (operation == "sub") return a - b;
-    if (operation == "mul") return a * b;
-    if (operation == "floordiv" || operation == "mod") {
+    int64_t result = 0;
+    bool overflow = false;
+    if (operation == "neg") {
+      overflow = __builtin_sub_overflow(int64_t{0}, a, &result);
+    } else if (operation == "add") {
+      overflow = __builtin_add_overflow(a, b, &result);
+    } else if (operation == "sub") {
+      overflow = __builtin_sub_overflow(a, b, &result);
+    } else if (operation == "mul") {
+      overflow = __builtin_mul_overflow(a, b, &result);
+    } else if (operation == "floordiv" || operation == "mod") {
       TORCH_CHECK(b != 0, "trainloop: a symbolic size divides by zero (operator.", operation, ")");
+      TORCH_CHECK(!(a == std::numeric_limits<int64_t>::min() && b == -1), "trainloop: a symbolic size overflows 64 bits (operator.",
+                  operation, ")");
       const int64_t quotient = a / b - ((a % b != 0) && ((a < 0) != (b < 0)) ? 1 : 0);  // Python's floor division
-      return operation == "floordiv" ? quotient : a - quotient * b;
+      result = operation == "floordiv" ? quotient : a - quotient * b;
+    } else if (operation == "eq") {
+      return a == b;
+    } else if (operation == "ne") {
+      return a != b;
+    } else if (operation == "lt") {
+      return a < b;
+    } else if (operation == "le") {
+      return a <= b;
+    } else if (operation == "gt") {
+      return a > b;
+    } else if (operation == "ge") {
+      return a >= b;
+    } else if (operation == "and_") {
+      return (a != 0) && (b != 0);
+    } else {
+      return (a != 0) || (b != 0);  // or_
     }
-    if (operation == "eq") return a == b;
-    if (operation == "ne") return a != b;
-    if (operation == "lt") return a < b;
-    if (operation == "le") return a <= b;
-    if (operation == "gt") return a > b;
-    if (operation == "ge") return a >= b;
-    if (operation == "and_") return (a != 0) && (b != 0);
-    return (a != 0) || (b != 0);  // or_
+    TORCH_CHECK(!overflow, "trainloop: a symbolic size overflows 64 bits (operator.", operation, " of ", a, " and ", b, ")");
+    return result;
   }
 
   void store(const OutputTarget& target, c10::IValue& value, std::vector<c10::IValue>& values) const {

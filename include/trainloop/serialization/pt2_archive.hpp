@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -147,7 +148,8 @@ struct Pt2Payload {
   bool is_param = false;  ///< a Parameter in Python
   bool requires_grad = false;  ///< as it was in Python (a frozen parameter: false)
   torch::Tensor tensor;   ///< the tensor, on the CPU (requires_grad set as in Python)
-  std::vector<int64_t> sizes, strides;  ///< its layout in the file's storage, as the config says
+  std::vector<int64_t> sizes;           ///< its sizes, as the config says
+  std::vector<int64_t> strides;         ///< its strides in the file's storage
   int64_t storage_offset = 0;           ///< in elements
   torch::ScalarType dtype = torch::kFloat;  ///< its dtype
 };
@@ -296,35 +298,49 @@ class Pt2Archive {
     return payloads;
   }
 
-  /// @brief Checks a TensorMeta's sizes, strides and offset against `bytes` bytes of storage.
-  /// @return the number of elements of `dtype` the view spans (0 for an empty tensor)
+  /// @brief Checks a TensorMeta's sizes, strides and offset against `bytes` bytes of storage:
+  /// every size, stride and the offset >= 0, the sizes' product within 64 bits (torch makes strides
+  /// of it), no two elements on one place (a parameter with overlapping elements cannot be
+  /// updated in place, and a stride 0 over a large size would make a clone of any size from four
+  /// bytes), and the last element inside the bytes.
+  /// @return the number of elements of `item_size` bytes the view spans (0 for an empty tensor)
   /// @throws trainloop::CheckpointError naming `where` when they do not fit.
   static int64_t checked_extent(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides, int64_t offset,
                                 int64_t item_size, uint64_t bytes, const std::string& where) {
-    int64_t last = offset;  // the last element the view reads, in elements
+    using trainloop::detail::concat;
+    auto fail = [&](const std::string& what) { return CheckpointError(concat("trainloop: ", where, " ", what)); };
+    if (offset < 0) throw fail(concat("has storage offset ", offset, "; expected >= 0"));
+    int64_t product = 1;  // of the sizes, zeros counted as ones: what torch computes contiguous strides from
     bool empty = false;
+    std::vector<std::pair<int64_t, int64_t>> spread;  // (stride, size) of the dimensions of size > 1
     for (size_t d = 0; d < sizes.size(); ++d) {
       if (sizes[d] < 0 || strides[d] < 0) {
-        throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has size ", sizes[d], " and stride ",
-                                                        strides[d], " in dimension ", d, "; expected both >= 0"));
+        throw fail(concat("has size ", sizes[d], " and stride ", strides[d], " in dimension ", d, "; expected both >= 0"));
       }
-      if (sizes[d] == 0) empty = true;
+      if (__builtin_mul_overflow(product, std::max<int64_t>(sizes[d], 1), &product)) {
+        throw fail("has sizes whose product overflows 64 bits; expected a tensor inside its file");
+      }
+      empty = empty || sizes[d] == 0;
+      if (sizes[d] > 1) spread.emplace_back(strides[d], sizes[d]);
     }
-    if (offset < 0) throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has storage offset ", offset, "; expected >= 0"));
     if (empty) return 0;
-    for (size_t d = 0; d < sizes.size(); ++d) {
+    std::sort(spread.begin(), spread.end());
+    int64_t extent = 0;  // the farthest element the dimensions so far reach, in elements from the first
+    for (const auto& [stride, size] : spread) {
+      if (stride <= extent) {
+        throw fail(concat("has a dimension of size ", size, " with stride ", stride, ", which puts two elements on one ",
+                          "place; expected a tensor whose elements do not overlap"));
+      }
       int64_t step = 0;
-      if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &step) || __builtin_add_overflow(last, step, &last)) {
-        throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has sizes and strides whose extent "
-                                                        "overflows 64 bits; expected a tensor inside its file"));
+      if (__builtin_mul_overflow(size - 1, stride, &step) || __builtin_add_overflow(extent, step, &extent)) {
+        throw fail("has sizes and strides whose extent overflows 64 bits; expected a tensor inside its file");
       }
     }
-    int64_t end_bytes = 0;
-    if (__builtin_add_overflow(last, int64_t{1}, &last) || __builtin_mul_overflow(last, item_size, &end_bytes) ||
-        static_cast<uint64_t>(end_bytes) > bytes) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " reads elements up to ", last, " of ",
-                                                      item_size, " bytes; its file has ", bytes, " bytes; expected the ",
-                                                      "tensor inside its file"));
+    int64_t last = 0, end_bytes = 0;
+    if (__builtin_add_overflow(offset, extent, &last) || __builtin_add_overflow(last, int64_t{1}, &last) ||
+        __builtin_mul_overflow(last, item_size, &end_bytes) || static_cast<uint64_t>(end_bytes) > bytes) {
+      throw fail(concat("reads elements up to ", last, " of ", item_size, " bytes; its file has ", bytes,
+                        " bytes; expected the tensor inside its file"));
     }
     return last;
   }
