@@ -188,27 +188,25 @@ inline ArgumentRecipe make_argument_recipe(const nlohmann::json& argument, const
   } else if (kind == "as_float") {
     if (!value->is_number() || (type_kind != c10::TypeKind::FloatType && type_kind != c10::TypeKind::NumberType)) throw mismatch();
     recipe.constant = value->get<double>();
-  } else if (kind == "as_floats") {
-    if (!value->is_array() || !element || element->kind() != c10::TypeKind::FloatType) throw mismatch();
-    std::vector<double> numbers;
+  } else if (kind == "as_floats" || kind == "as_bools") {
+    // A list of floats (float[]) or flags (bool[]); each item of the JSON kind the list says.
+    const bool floats = kind == "as_floats";
+    const auto wanted = floats ? c10::TypeKind::FloatType : c10::TypeKind::BoolType;
+    if (!value->is_array() || !element || element->kind() != wanted) throw mismatch();
+    c10::List<double> numbers;
+    c10::List<bool> flags;
     for (const auto& item : *value) {
-      if (!item.is_number()) throw mismatch();
-      numbers.push_back(item.get<double>());
+      if (floats ? !item.is_number() : !item.is_boolean()) throw mismatch();
+      if (floats) {
+        numbers.push_back(item.get<double>());
+      } else {
+        flags.push_back(item.get<bool>());
+      }
     }
-    recipe.constant = c10::List<double>(numbers);
+    recipe.constant = floats ? c10::IValue(numbers) : c10::IValue(flags);
   } else if (kind == "as_bool") {
     if (!value->is_boolean() || (type_kind != c10::TypeKind::BoolType && type_kind != c10::TypeKind::NumberType)) throw mismatch();
     recipe.constant = value->get<bool>();
-  } else if (kind == "as_bools") {
-    if (!value->is_array() || !element || element->kind() != c10::TypeKind::BoolType) throw mismatch();
-    std::vector<bool> flags;
-    for (const auto& item : *value) {
-      if (!item.is_boolean()) throw mismatch();
-      flags.push_back(item.get<bool>());
-    }
-    c10::List<bool> list;
-    for (bool flag : flags) list.push_back(flag);
-    recipe.constant = list;
   } else if (kind == "as_string") {
     if (type_kind != c10::TypeKind::StringType) throw mismatch();
     recipe.constant = json_string(*value, what);

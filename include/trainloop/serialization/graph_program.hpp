@@ -7,12 +7,9 @@
 /// actual input and checked against their ranges; symbolic-int nodes (`aten.sym_size`, Python's
 /// `operator.mul` ...) are evaluated here.
 ///
-/// Train and eval from one graph: the default export ("training IR") records the mode the
-/// model was in. Eval mode is made by rewriting the known training flags (batch_norm's
-/// `training`, the dropouts' `train`) to false and skipping the in-place `num_batches_tracked`
-/// increments; running statistics then stay as they are, as in Python's eval(). A node whose
-/// mode trainloop cannot switch (another training flag, another buffer mutation) is refused at
-/// load, naming it.
+/// Train and eval from one graph: eval mode rewrites the training flags the training graph
+/// recorded (serialization/eval_mode_switch.hpp). Which operators a file may call at all:
+/// serialization/operator_policy.hpp.
 ///
 /// Which intermediate values are alive: each is released after its last use, so a forward holds
 /// what autograd saved and little else.
@@ -20,14 +17,16 @@
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/export_arguments.hpp>
 #include <trainloop/serialization/export_graph.hpp>
+#include <trainloop/serialization/eval_mode_switch.hpp>
+#include <trainloop/serialization/exported_input_sizes.hpp>
 #include <trainloop/serialization/operator_policy.hpp>
 #include <trainloop/serialization/quoted.hpp>
+#include <trainloop/serialization/symbolic_ints.hpp>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -45,7 +44,7 @@ class GraphProgram {
   /// @throws trainloop::CheckpointError naming the node for an operator that is not an ATen or
   ///         prims operator of this libtorch, a higher-order operator, arguments that do not match
   ///         its schema, a value used before it is made, or a mode that cannot be switched.
-  explicit GraphProgram(const ExportGraph& graph) : program_(graph.program), dims_(graph.input_dims), ranges_(graph.ranges) {
+  explicit GraphProgram(const ExportGraph& graph) : program_(graph.program), input_sizes_(graph) {
     for (const auto& input : graph.inputs) {
       const int slot = define(input.graph_name);
       if (input.kind == ExportInput::Kind::UserInput) {
@@ -75,7 +74,7 @@ class GraphProgram {
   /// @throws trainloop::ConfigurationError when the input's sizes are not ones the program was
   ///         exported for; c10::Error from an operator, with the node named in its context.
   torch::Tensor run(const std::vector<torch::Tensor>& state, const torch::Tensor& input, bool eval) const {
-    check_input(input);
+    input_sizes_.check(input);
     std::vector<c10::IValue> values(slot_count_);
     for (size_t i = 0; i < state_slots_.size() && i < state.size(); ++i) values[static_cast<size_t>(state_slots_[i])] = state[i];
     values[static_cast<size_t>(input_slot_)] = input;
@@ -154,7 +153,15 @@ class GraphProgram {
       if (node.target.compare(0, python.size(), python) != 0) {
         throw refuse("is neither an operator of torch.ops nor Python's operator module; expected ATen operators only");
       }
-      return compile_arithmetic(std::move(step), node, node.target.substr(python.size()), where, lookup);
+      const std::string operation = node.target.substr(python.size());
+      if (!is_symbolic_int_operation(operation)) {
+        throw refuse(concat("is Python's operator.", quote_untrusted(operation), ", which trainloop does not evaluate; ",
+                            "expected +, -, *, //, %, unary -, comparisons, and, or on symbolic ints"));
+      }
+      step.kind = StepKind::IntArithmetic;
+      step.arithmetic = operation;
+      compile_plain(step, node, operation == "neg" ? 1 : 2, where, lookup);
+      return step;
     }
     const std::string qualified = node.target.substr(ops.size());  // aten.conv2d.default
     const auto first_dot = qualified.find('.');
@@ -176,7 +183,8 @@ class GraphProgram {
                   : full == "aten::sym_numel"  ? StepKind::SymNumel
                   : full == "aten::sym_stride" ? StepKind::SymStride
                                                : StepKind::SymStorageOffset;
-      compile_positional(step, node, where, lookup);
+      compile_plain(step, node, step.kind == StepKind::SymNumel || step.kind == StepKind::SymStorageOffset ? 1 : 2, where, lookup);
+      if (step.arguments[0].kind != ArgumentRecipe::Kind::Value) throw refuse("does not take a tensor first");
       return step;
     }
     const std::string refused = refused_operator_reason(space, op_name);
@@ -205,70 +213,14 @@ class GraphProgram {
       }
     }
     if (!given.empty()) throw refuse(concat("gives the argument '", given.begin()->first, "', which ", full, " does not take"));
-    switch_mode(step, schema, op_name, where);
+    auto mode = eval_mode_switch(schema, step.arguments, op_name, buffers_, where);
+    step.eval_arguments = std::move(mode.eval_arguments);
+    step.skip_in_eval = mode.skip_in_eval;
+    flags_on_ += mode.flags_on;
+    flags_off_ += mode.flags_off;
+    mode_dependent_ += mode.changes;
     compile_outputs(step, node, schema.returns().size(), where);
     return step;
-  }
-
-  /// Records how eval mode differs for this node, or refuses one that cannot be switched.
-  void switch_mode(Step& step, const c10::FunctionSchema& schema, const std::string& op_name, const std::string& where) {
-    using trainloop::detail::concat;
-    static const std::map<std::string, std::string> flags = {
-        {"batch_norm", "training"},    {"native_batch_norm", "training"},   {"_native_batch_norm_legit", "training"},
-        {"dropout", "train"},          {"feature_dropout", "train"},        {"alpha_dropout", "train"},
-        {"feature_alpha_dropout", "train"}, {"native_dropout", "train"}};
-    const auto known = flags.find(op_name);
-    const auto& arguments = schema.arguments();
-    // Python's BatchNorm normalizes with the batch's statistics in eval too when it keeps none
-    // (track_running_stats=False: running_mean and running_var are None).
-    bool without_running_stats = false;
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      if (arguments[i].name() == "running_mean" && step.arguments[i].kind == ArgumentRecipe::Kind::Constant &&
-          step.arguments[i].constant.isNone()) {
-        without_running_stats = true;
-      }
-    }
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      const auto& name = arguments[i].name();
-      if (name != "train" && name != "training") continue;
-      if (known == flags.end() || known->second != name || step.arguments[i].kind != ArgumentRecipe::Kind::Constant) {
-        throw CheckpointError(concat("trainloop: ", where, " has a training flag '", name, "' that trainloop does not know "
-                                     "how to switch for eval mode; expected only batch_norm's and the dropouts' flags as constants"));
-      }
-      const auto& flag = step.arguments[i].constant;
-      (flag.isBool() && flag.toBool() ? flags_on_ : flags_off_) += 1;
-      if (without_running_stats) continue;
-      step.eval_arguments.emplace_back(i, c10::IValue(false));
-      ++mode_dependent_;
-    }
-    // In-place writes: never into a constant of the program (shared by every run and replica);
-    // into buffers only BatchNorm's (its running statistics, whose update its training flag
-    // decides, and num_batches_tracked += 1, not done in eval).
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      const auto* alias = arguments[i].alias_info();
-      if (!alias || !alias->isWrite()) continue;
-      if (step.arguments[i].kind == ArgumentRecipe::Kind::Constant && !step.arguments[i].constant.isNone()) {
-        throw CheckpointError(concat("trainloop: ", where, " writes its argument '", arguments[i].name(), "' in place, ",
-                                     "which is a constant of the program; expected in-place operators on graph values only"));
-      }
-      if (step.arguments[i].kind != ArgumentRecipe::Kind::Value) continue;
-      const auto buffer = buffers_.find(step.arguments[i].slot);
-      if (buffer == buffers_.end()) continue;
-      const bool running_stat = known != flags.end() && known->second == "training" &&
-                                (arguments[i].name() == "running_mean" || arguments[i].name() == "running_var");
-      if (running_stat) continue;
-      const std::string counter = "num_batches_tracked";
-      const bool increment = op_name == "add_" && buffer->second.size() >= counter.size() &&
-                             buffer->second.compare(buffer->second.size() - counter.size(), counter.size(), counter) == 0;
-      if (!increment) {
-        throw CheckpointError(concat(
-            "trainloop: ", where, " writes the buffer ", quote_untrusted(buffer->second), " in place, and trainloop cannot ",
-            "tell whether eval mode would; expected buffer writes only by BatchNorm (its running statistics and ",
-            "num_batches_tracked)"));
-      }
-      step.skip_in_eval = true;
-      ++mode_dependent_;
-    }
   }
 
   void compile_outputs(Step& step, const ExportNode& node, size_t returns, const std::string& where) {
@@ -310,80 +262,14 @@ class GraphProgram {
     }
   }
 
-  /// Arguments of the steps computed here: a tensor or symbolic int (a Value), or a constant int.
-  void compile_positional(Step& step, const ExportNode& node, const std::string& where, const SlotLookup& lookup) {
-    for (const auto& input : *node.inputs) {
-      auto [kind, value] = json_union(json_member(input, "arg", where), where + " argument");
-      ArgumentRecipe recipe;
-      if (kind == "as_int") {
-        recipe.constant = json_int(*value, where);
-      } else if (kind == "as_tensor") {
-        recipe.kind = ArgumentRecipe::Kind::Value;
-        recipe.slot = lookup(json_string(json_member(*value, "name", where), where));
-      } else if (kind == "as_sym_int" || kind == "as_sym_bool") {
-        auto [sym_kind, sym_value] = json_union(*value, where);
-        if (sym_kind == "as_name") {
-          recipe.kind = ArgumentRecipe::Kind::Value;
-          recipe.slot = lookup(json_string(*sym_value, where));
-        } else if (sym_kind == "as_int") {
-          recipe.constant = json_int(*sym_value, where);
-        } else {
-          throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has a symbolic argument of kind ", sym_kind));
-        }
-      } else if (kind == "as_bool" && value->is_boolean()) {
-        recipe.constant = value->get<bool>();
-      } else {
-        throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has an argument of kind ", quote_untrusted(kind),
-                                                        "; expected tensors and (symbolic) ints"));
-      }
-      step.arguments.push_back(std::move(recipe));
-    }
-    const size_t wanted = step.kind == StepKind::SymNumel || step.kind == StepKind::SymStorageOffset ? 1 : 2;
-    if (step.arguments.size() != wanted || step.arguments[0].kind != ArgumentRecipe::Kind::Value) {
+  /// A step computed here: its arguments (symbolic ints, tensors, constants) and its one output.
+  void compile_plain(Step& step, const ExportNode& node, size_t arguments, const std::string& where, const SlotLookup& lookup) {
+    for (const auto& input : *node.inputs) step.arguments.push_back(plain_argument_recipe(input, where, lookup));
+    if (step.arguments.size() != arguments) {
       throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has ", step.arguments.size(),
-                                                      " arguments; expected a tensor", wanted == 2 ? " and a dimension" : ""));
+                                                      " arguments; expected ", arguments));
     }
     compile_outputs(step, node, 1, where);
-  }
-
-  Step compile_arithmetic(Step step, const ExportNode& node, const std::string& operation, const std::string& where,
-                          const SlotLookup& lookup) {
-    static const char* known[] = {"add", "sub", "mul", "floordiv", "mod", "neg", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_"};
-    bool found = false;
-    for (const char* name : known) found = found || operation == name;
-    if (!found) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is Python's operator.", quote_untrusted(operation),
-                                                      ", which trainloop does not evaluate; expected +, -, *, //, %, unary -, "
-                                                      "comparisons, and, or on symbolic ints"));
-    }
-    step.kind = StepKind::IntArithmetic;
-    step.arithmetic = operation;
-    for (const auto& input : *node.inputs) {
-      auto [kind, value] = json_union(json_member(input, "arg", where), where + " argument");
-      ArgumentRecipe recipe;
-      if (kind == "as_int") {
-        recipe.constant = json_int(*value, where);
-      } else if (kind == "as_bool" && value->is_boolean()) {
-        recipe.constant = value->get<bool>();
-      } else if (kind == "as_sym_int" || kind == "as_sym_bool") {
-        auto [sym_kind, sym_value] = json_union(*value, where);
-        if (sym_kind != "as_name") {
-          recipe.constant = sym_value->is_boolean() ? c10::IValue(sym_value->get<bool>()) : c10::IValue(json_int(*sym_value, where));
-        } else {
-          recipe.kind = ArgumentRecipe::Kind::Value;
-          recipe.slot = lookup(json_string(*sym_value, where));
-        }
-      } else {
-        throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has an argument of kind ", quote_untrusted(kind),
-                                                        "; expected symbolic ints"));
-      }
-      step.arguments.push_back(std::move(recipe));
-    }
-    if (step.arguments.size() != (operation == "neg" ? 1u : 2u)) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has ", step.arguments.size(), " arguments"));
-    }
-    compile_outputs(step, node, 1, where);
-    return step;
   }
 
   /// Releases each slot after its last use (never the output).
@@ -434,7 +320,7 @@ class GraphProgram {
       return;
     }
     if (step.kind == StepKind::IntArithmetic) {
-      stack = {arithmetic(step.arithmetic, stack)};
+      stack = {symbolic_int_operation(step.arithmetic, stack)};
       return;
     }
     const auto& tensor = stack[0].toTensor();
@@ -450,47 +336,6 @@ class GraphProgram {
     stack = {c10::IValue(result)};
   }
 
-  /// Python's int arithmetic on 64 bits; what would overflow is an error, not undefined behaviour.
-  static c10::IValue arithmetic(const std::string& operation, const std::vector<c10::IValue>& arguments) {
-    auto number = [](const c10::IValue& value) { return value.isBool() ? int64_t(value.toBool()) : value.toInt(); };
-    const int64_t a = number(arguments[0]), b = arguments.size() > 1 ? number(arguments[1]) : 0;
-    int64_t result = 0;
-    bool overflow = false;
-    if (operation == "neg") {
-      overflow = __builtin_sub_overflow(int64_t{0}, a, &result);
-    } else if (operation == "add") {
-      overflow = __builtin_add_overflow(a, b, &result);
-    } else if (operation == "sub") {
-      overflow = __builtin_sub_overflow(a, b, &result);
-    } else if (operation == "mul") {
-      overflow = __builtin_mul_overflow(a, b, &result);
-    } else if (operation == "floordiv" || operation == "mod") {
-      TORCH_CHECK(b != 0, "trainloop: a symbolic size divides by zero (operator.", operation, ")");
-      TORCH_CHECK(!(a == std::numeric_limits<int64_t>::min() && b == -1), "trainloop: a symbolic size overflows 64 bits (operator.",
-                  operation, ")");
-      const int64_t quotient = a / b - ((a % b != 0) && ((a < 0) != (b < 0)) ? 1 : 0);  // Python's floor division
-      result = operation == "floordiv" ? quotient : a - quotient * b;
-    } else if (operation == "eq") {
-      return a == b;
-    } else if (operation == "ne") {
-      return a != b;
-    } else if (operation == "lt") {
-      return a < b;
-    } else if (operation == "le") {
-      return a <= b;
-    } else if (operation == "gt") {
-      return a > b;
-    } else if (operation == "ge") {
-      return a >= b;
-    } else if (operation == "and_") {
-      return (a != 0) && (b != 0);
-    } else {
-      return (a != 0) || (b != 0);  // or_
-    }
-    TORCH_CHECK(!overflow, "trainloop: a symbolic size overflows 64 bits (operator.", operation, " of ", a, " and ", b, ")");
-    return result;
-  }
-
   void store(const OutputTarget& target, c10::IValue& value, std::vector<c10::IValue>& values) const {
     if (target.slots.empty()) return;
     if (!target.list) {
@@ -503,50 +348,8 @@ class GraphProgram {
     for (size_t i = 0; i < target.slots.size(); ++i) values[static_cast<size_t>(target.slots[i])] = list.get(i);
   }
 
-  /// Checks the input against the exported sizes: fixed ones equal, symbols consistent and in range.
-  void check_input(const torch::Tensor& input) const {
-    using trainloop::detail::concat;
-    auto exported = [&] {
-      std::string text = "[";
-      for (size_t d = 0; d < dims_.size(); ++d) {
-        text += (d ? ", " : "") + (dims_[d].fixed ? std::to_string(*dims_[d].fixed) : dims_[d].symbol.empty() ? dims_[d].expression : dims_[d].symbol);
-      }
-      return text + "]";
-    };
-    if (static_cast<size_t>(input.dim()) != dims_.size()) {
-      throw ConfigurationError(concat("trainloop: the input of ", program_, " has ", input.dim(), " dimensions ",
-                                      input.sizes(), "; expected ", dims_.size(), ", as exported: ", exported()));
-    }
-    std::map<std::string, int64_t> bound;
-    for (size_t d = 0; d < dims_.size(); ++d) {
-      const int64_t size = input.size(static_cast<int64_t>(d));
-      const auto& dim = dims_[d];
-      if (dim.fixed && *dim.fixed != size) {
-        throw ConfigurationError(concat(
-            "trainloop: the input of ", program_, " has size ", size, " in dimension ", d, "; expected ", *dim.fixed,
-            ": the program was exported with that size fixed (sizes ", exported(), "). Export it with a dynamic size, "
-            "torch.export.export(model, (x,), dynamic_shapes=({", d, ": torch.export.Dim(\"batch\")},))",
-            d == 0 ? ", or train with drop_last so that every batch has that size (also in evaluation)" : ""));
-      }
-      if (dim.symbol.empty() || dim.fixed) continue;
-      const auto [previous, fresh] = bound.emplace(dim.symbol, size);
-      if (!fresh && previous->second != size) {
-        throw ConfigurationError(concat("trainloop: the input of ", program_, " has sizes ", input.sizes(), "; expected ",
-                                        "equal sizes wherever the export has the symbol ", dim.symbol, ": ", exported()));
-      }
-      const auto range = ranges_.find(dim.symbol);
-      if (range != ranges_.end() && (size < range->second.min || (range->second.max && size > *range->second.max))) {
-        throw ConfigurationError(concat("trainloop: the input of ", program_, " has size ", size, " in dimension ", d,
-                                        "; expected ", range->second.min, " to ",
-                                        range->second.max ? std::to_string(*range->second.max) : std::string("any size"),
-                                        " (the range of its torch.export.Dim ", dim.symbol, ")"));
-      }
-    }
-  }
-
   std::string program_;
-  std::vector<ExportDim> dims_;
-  std::map<std::string, SymbolRange> ranges_;
+  ExportedInputSizes input_sizes_;
   std::unordered_map<std::string, int> slots_;
   size_t slot_count_ = 0;
   std::vector<int> state_slots_;

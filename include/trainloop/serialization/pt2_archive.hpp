@@ -20,6 +20,7 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/export_json.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/zip_directory.hpp>
 
@@ -59,87 +60,6 @@ inline CheckpointError pt2_error(const std::filesystem::path& path, const std::s
 }
 
 }  // namespace detail
-
-/// @brief Parses `text` as JSON, refusing nesting deeper than `max_depth` (nlohmann's parser is
-/// iterative, but what is built from the document is walked recursively).
-/// @throws trainloop::CheckpointError naming `what` for malformed or too deeply nested JSON.
-inline nlohmann::json parse_untrusted_json(std::string_view text, const std::string& what, int max_depth) {
-  nlohmann::json::parser_callback_t bound = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-    if (depth > max_depth) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: ", what, " nests JSON ", depth,
-                                                      " levels deep; expected at most ", max_depth));
-    }
-    return true;
-  };
-  try {
-    return nlohmann::json::parse(text.begin(), text.end(), bound);
-  } catch (const nlohmann::json::exception& error) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", what, " is not valid JSON (",
-                                                    escape_untrusted(error.what()), "); expected the export schema's JSON"));
-  }
-}
-
-/// @brief The member `key` of JSON object `object`, or throws naming `where`.
-inline const nlohmann::json& json_member(const nlohmann::json& object, const char* key, const std::string& where) {
-  if (!object.is_object()) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is ", object.type_name(),
-                                                    "; expected a JSON object with '", key, "'"));
-  }
-  const auto found = object.find(key);
-  if (found == object.end()) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has no '", key, "'; expected one"));
-  }
-  return *found;
-}
-
-/// @brief `value` as a 64-bit integer, or throws naming `where`.
-inline int64_t json_int(const nlohmann::json& value, const std::string& where) {
-  if (!value.is_number_integer()) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is ", value.type_name(), " ",
-                                                    escape_untrusted(value.dump().substr(0, 80)), "; expected an integer"));
-  }
-  return value.get<int64_t>();
-}
-
-/// @brief `value` as a string, or throws naming `where`.
-inline const std::string& json_string(const nlohmann::json& value, const std::string& where) {
-  if (!value.is_string()) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is ", value.type_name(), "; expected a string"));
-  }
-  return value.get_ref<const std::string&>();
-}
-
-/// @brief A union of the export schema (`{"as_int": 3}`): its one field's name and value.
-/// @throws trainloop::CheckpointError naming `where` when it is not an object of one field.
-inline std::pair<std::string, const nlohmann::json*> json_union(const nlohmann::json& value, const std::string& where) {
-  if (!value.is_object() || value.size() != 1) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is ", escape_untrusted(value.dump().substr(0, 80)),
-                                                    "; expected an export-schema union (an object of one field)"));
-  }
-  return {value.begin().key(), &value.begin().value()};
-}
-
-/// @brief The export schema's ScalarType number as libtorch's (schema.yaml's ScalarType enum).
-/// @throws trainloop::CheckpointError naming `where` for a number trainloop does not read.
-inline torch::ScalarType export_scalar_type(int64_t code, const std::string& where) {
-  switch (code) {
-    case 1: return torch::kUInt8;
-    case 2: return torch::kInt8;
-    case 3: return torch::kInt16;
-    case 4: return torch::kInt32;
-    case 5: return torch::kInt64;
-    case 6: return torch::kFloat16;
-    case 7: return torch::kFloat32;
-    case 8: return torch::kFloat64;
-    case 10: return torch::kComplexFloat;
-    case 11: return torch::kComplexDouble;
-    case 12: return torch::kBool;
-    case 13: return torch::kBFloat16;
-    default:
-      throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has the export ScalarType ", code,
-                                                      "; expected one of 1-8, 10-13 (uint8 ... bfloat16)"));
-  }
-}
 
 /// @brief One tensor of a weights or constants config (its PayloadMeta).
 struct Pt2Payload {
