@@ -319,6 +319,29 @@ BOOST_AUTO_TEST_CASE(a_trained_program_saves_and_reloads_with_its_weights) {
   BOOST_TEST(state.size() == 9u);  // parameters and persistent buffers, as Python's state_dict()
 }
 
+BOOST_AUTO_TEST_CASE(fine_tuning_groups_and_freezes_by_python_names) {
+  TempDir dir("tl-export-finetune");
+  pt2_fixture::write_archive(dir.path / "tiny.pt2", pt2_fixture::tiny_records());
+  interop::ExportedProgram model(dir.path / "tiny.pt2");
+  tl::ParameterGroups groups(*model, {{"body", {"fc1", "bn"}}, {"head", {"fc2"}}});
+  BOOST_TEST(groups.parameter_names(1) == (std::vector<std::string>{"fc2.weight", "fc2.bias"}), boost::test_tools::per_element());
+  torch::optim::SGD optimizer(groups.optimizer_groups(torch::optim::SGDOptions(0.1), {0.01, 0.1}), torch::optim::SGDOptions(0.1));
+  BOOST_TEST(optimizer.param_groups()[0].options().get_lr() == 0.01);  // discriminative learning rates
+  tl::freeze(groups);  // the body frozen but for its BatchNorm (fastai's train_bn), known by its Python class
+  auto parameters = model->named_parameters();
+  BOOST_TEST(!parameters["fc1.weight"].requires_grad());
+  BOOST_TEST(parameters["bn.weight"].requires_grad());
+  BOOST_TEST(parameters["fc2.weight"].requires_grad());
+  const auto fc1 = parameters["fc1.weight"].clone(), bn = parameters["bn.weight"].clone(), fc2 = parameters["fc2.weight"].clone();
+  torch::manual_seed(5);
+  tl::TrainLoop<interop::ExportedProgram> loop(model, tl::data::TensorDataset(torch::randn({16, 4}), torch::randint(0, 2, {16})), {},
+                                               optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(8));
+  loop.fit(1);
+  BOOST_TEST(torch::equal(parameters["fc1.weight"], fc1));
+  BOOST_TEST(!torch::equal(parameters["bn.weight"], bn));
+  BOOST_TEST(!torch::equal(parameters["fc2.weight"], fc2));
+}
+
 // ---- Against Python ------------------------------------------------------------------------------------
 
 namespace {

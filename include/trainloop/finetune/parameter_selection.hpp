@@ -21,14 +21,20 @@ namespace trainloop {
 
 /// @brief True for the layers fastai's `train_bn` keeps trainable in a frozen model (its
 /// `norm_types`): BatchNorm1d/2d/3d, InstanceNorm1d/2d/3d, LayerNorm, and trainloop's
-/// SyncBatchNorm. (GroupNorm is not among them, as in fastai.)
+/// SyncBatchNorm. (GroupNorm is not among them, as in fastai.) A model from Python
+/// (interop::ExportedProgram, interop::ScriptModule) has plain modules named by their Python
+/// class: those of the same classes count, and timm's subclasses of them (`BatchNormAct2d`,
+/// `LayerNorm2d`), which fastai's isinstance test counts too.
 inline bool is_normalization_layer(const torch::nn::Module& module) {
   const auto* m = &module;
+  static const std::unordered_set<std::string> python_classes = {
+      "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
+      "SyncBatchNorm", "BatchNormAct2d", "LayerNorm2d"};
   return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(m) || dynamic_cast<const torch::nn::BatchNorm2dImpl*>(m) ||
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(m) || dynamic_cast<const torch::nn::InstanceNorm1dImpl*>(m) ||
          dynamic_cast<const torch::nn::InstanceNorm2dImpl*>(m) ||
          dynamic_cast<const torch::nn::InstanceNorm3dImpl*>(m) || dynamic_cast<const torch::nn::LayerNormImpl*>(m) ||
-         dynamic_cast<const nn::SyncBatchNormImpl*>(m);
+         dynamic_cast<const nn::SyncBatchNormImpl*>(m) || python_classes.count(module.name()) != 0;
 }
 
 namespace detail {
