@@ -319,6 +319,31 @@ BOOST_AUTO_TEST_CASE(a_trained_program_saves_and_reloads_with_its_weights) {
   BOOST_TEST(state.size() == 9u);  // parameters and persistent buffers, as Python's state_dict()
 }
 
+BOOST_AUTO_TEST_CASE(tied_weights_are_one_parameter_under_two_names) {
+  // Python's `head.weight = fc1.weight`: the archive names both, on one file with one layout.
+  json program = pt2_fixture::tiny_program();
+  auto& specs = program["graph_module"]["signature"]["input_specs"];
+  json head = json::object();
+  head["parameter"] = {{"arg", {{"name", "p_head_weight"}}}, {"parameter_name", "head.weight"}};
+  specs.insert(specs.begin() + 6, head);
+  auto records = pt2_fixture::tiny_records(program);
+  auto config = json::parse(records["data/weights/model_weights_config.json"]);
+  config["config"]["head.weight"] = config["config"]["fc1.weight"];
+  records["data/weights/model_weights_config.json"] = config.dump();
+  TempDir dir("tl-export-tied");
+  pt2_fixture::write_archive(dir.path / "tied.pt2", records);
+  interop::ExportedProgram model(dir.path / "tied.pt2");
+  BOOST_TEST(model->parameters().size() == 6u);  // one Parameter, as in Python: stepped once
+  const auto state = model->state_dict_for_python();
+  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
+  BOOST_REQUIRE(by_name.count("head.weight"));
+  BOOST_TEST(by_name["head.weight"].is_same(by_name["fc1.weight"]));
+  BOOST_TEST(state.size() == 10u);
+  model->save(dir.path / "saved.pt2");
+  interop::ExportedProgram reloaded(dir.path / "saved.pt2");
+  BOOST_TEST(torch::equal(reloaded->state_dict_for_python().back().second, model->named_parameters()["fc1.weight"]));
+}
+
 BOOST_AUTO_TEST_CASE(fine_tuning_groups_and_freezes_by_python_names) {
   TempDir dir("tl-export-finetune");
   pt2_fixture::write_archive(dir.path / "tiny.pt2", pt2_fixture::tiny_records());

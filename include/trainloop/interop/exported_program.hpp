@@ -126,6 +126,9 @@ class ExportedProgramImpl : public torch::nn::Module {
     for (auto& item : module_state_dict(*this)) {
       if (!not_in_state_dict_.count(item.first)) state.push_back(std::move(item));
     }
+    for (size_t i = 0; i < names_.size(); ++i) {  // tied tensors' second names, as Python's state_dict lists them
+      if (tied_to_[i] >= 0 && !not_in_state_dict_.count(names_[i])) state.emplace_back(names_[i], state_[i]);
+    }
     return state;
   }
 
@@ -148,10 +151,13 @@ class ExportedProgramImpl : public torch::nn::Module {
   /// A replica: the same program and source, `state` as its tensors.
   ExportedProgramImpl(const ExportedProgramImpl& other, std::vector<torch::Tensor> state)
       : torch::nn::Module("ExportedProgram"), program_(other.program_), source_(other.source_),
-        names_(other.names_), kinds_(other.kinds_), classes_(other.classes_), not_in_state_dict_(other.not_in_state_dict_) {
+        names_(other.names_), kinds_(other.kinds_), tied_to_(other.tied_to_), classes_(other.classes_),
+        not_in_state_dict_(other.not_in_state_dict_) {
     // register_state returns the registered tensor (a buffer's is a new, detached one): that is
     // the one to() and the replicas' copies update.
-    for (size_t i = 0; i < state.size(); ++i) state_.push_back(register_state(names_[i], kinds_[i], state[i]));
+    for (size_t i = 0; i < state.size(); ++i) {
+      state_.push_back(tied_to_[i] >= 0 ? state_[static_cast<size_t>(tied_to_[i])] : register_state(names_[i], kinds_[i], state[i]));
+    }
   }
 
   static std::string choose_program(const serialization::Pt2Archive& archive, const std::string& wanted) {
@@ -200,8 +206,21 @@ class ExportedProgramImpl : public torch::nn::Module {
       if (!persistent) not_in_state_dict_.insert(input.target);
       names_.push_back(input.target);
       kinds_.push_back(input.kind == Kind::Parameter ? 'p' : 'b');
+      // Tied tensors (Python's `b.weight = a.weight`: two names, one file, one layout) are one
+      // tensor, registered once, as Python has one Parameter: stepped once, its gradient the sum
+      // of both uses. The second name is an alias, written under its name for Python.
+      int tied = -1;
+      for (const auto& placement : source.files[payload.file].second) {
+        const auto& layout = placement.layout;
+        if (layout.sizes == payload.sizes && layout.strides == payload.strides &&
+            layout.storage_offset == payload.storage_offset && layout.dtype == payload.dtype &&
+            kinds_[placement.state] == kinds_.back()) {
+          tied = static_cast<int>(placement.state);
+        }
+      }
+      tied_to_.push_back(tied);
       source.files[payload.file].second.push_back({state_.size(), payload});
-      state_.push_back(register_state(input.target, kinds_.back(), payload.tensor));
+      state_.push_back(tied >= 0 ? state_[static_cast<size_t>(tied)] : register_state(input.target, kinds_.back(), payload.tensor));
     }
     for (auto& [file, entry] : source.files) {
       entry.first = archive.records().at(file).size;
@@ -244,6 +263,7 @@ class ExportedProgramImpl : public torch::nn::Module {
   std::vector<torch::Tensor> state_;       // the placeholders' tensors, in graph order (the registered ones)
   std::vector<std::string> names_;         // their Python names
   std::vector<char> kinds_;                // 'p' parameter, 'b' buffer or constant
+  std::vector<int> tied_to_;               // the state it is tied to (one tensor, two names), or -1
   std::map<std::string, std::string> classes_;  // module path -> class name
   std::set<std::string> not_in_state_dict_;     // non-persistent buffers and constants
 };
