@@ -6,9 +6,9 @@
 /// tensors. Safe by construction, for files from strangers:
 ///
 /// - no code: a global is checked against the allow-list (serialization/pickle_globals.hpp) the
-///   moment the pickle names it, and what an allowed one does is done here in C++; BUILD only on
-///   what the allow-list says takes state; no opcode that needs another name (INST, OBJ, EXT*,
-///   PERSID) is read;
+///   moment the pickle names it, and what an allowed one does is done in C++
+///   (serialization/pickle_objects.hpp); BUILD only on what the allow-list says takes state; no
+///   opcode that needs another name (INST, OBJ, EXT*, PERSID) is read;
 /// - no unbounded memory: values are handles into one PickleDocument (pickle_value.hpp), so DUP
 ///   and BINGET copy 24 bytes, never a string; the memo is a map, so an index of 2^32-1 costs one
 ///   entry; values (charged what they cost), stack, memo, nesting and open MARKs are counted
@@ -30,19 +30,16 @@
 /// unpickler.cpp of both), so no option or callback of it helps.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/pickle_builder.hpp>
+#include <trainloop/serialization/pickle_cursor.hpp>
 #include <trainloop/serialization/pickle_globals.hpp>
 #include <trainloop/serialization/pickle_limits.hpp>
+#include <trainloop/serialization/pickle_objects.hpp>
 #include <trainloop/serialization/pickle_value.hpp>
-#include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/tensor_rebuild.hpp>
-
-#include <torch/torch.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <ios>
 #include <string>
 #include <string_view>
@@ -52,33 +49,30 @@
 
 namespace trainloop::serialization {
 
-/// @brief Loads storage `key` (`data/<key>` in the archive) of `numel` elements of `dtype`, as a
-/// 1-d tensor; it must prove the record holds exactly numel * itemsize bytes.
-using StorageLoader = std::function<torch::Tensor(const std::string& key, torch::ScalarType dtype, int64_t numel)>;
-
 /// @brief Reads one pickle into a PickleDocument.
-class Unpickler : private PickleBuilder {
+class Unpickler : private PickleObjects {
  public:
   /// @param bytes the pickle; must outlive run()
   /// @param flavor which globals it may name
   /// @param load_storage reads a storage the pickle refers to by persistent id
   /// @param limits the bounds it is held to
   Unpickler(std::string_view bytes, PickleFlavor flavor, StorageLoader load_storage, PickleLimits limits = {})
-      : PickleBuilder(limits), bytes_(bytes), flavor_(flavor), load_storage_(std::move(load_storage)) {}
+      : PickleObjects(limits, flavor, std::move(load_storage)), cursor_(bytes) {}
 
   /// @brief Runs the pickle to its STOP.
   /// @throws PickleError naming the byte offset of the opcode that failed and the reason.
   PickleDocument run() {
     try {
-      stats_.pickle_bytes = bytes_.size();
-      if (bytes_.size() > limits_.max_pickle_bytes) {
-        fail("the pickle has ", bytes_.size(), " bytes; expected at most ", limits_.max_pickle_bytes);
+      const std::string_view bytes = cursor_.bytes();
+      stats_.pickle_bytes = bytes.size();
+      if (bytes.size() > limits_.max_pickle_bytes) {
+        fail("the pickle has ", bytes.size(), " bytes; expected at most ", limits_.max_pickle_bytes);
       }
-      set_budget_for(bytes_.size());
-      if (bytes_.empty() || static_cast<uint8_t>(bytes_[0]) != 0x80) fail("it does not start with a pickle PROTO opcode");
+      set_budget_for(bytes.size());
+      if (bytes.empty() || static_cast<uint8_t>(bytes[0]) != 0x80) fail("it does not start with a pickle PROTO opcode");
       while (true) {
-        opcode_at_ = pos_;
-        const auto opcode = static_cast<uint8_t>(take(1)[0]);
+        opcode_at_ = cursor_.position();
+        const auto opcode = cursor_.byte();
         if (opcode == '.') break;  // STOP
         step(opcode);
         charge_stack(stack_.size());
@@ -98,33 +92,6 @@ class Unpickler : private PickleBuilder {
   using PickleBuilder::stats;
 
  private:
-  using Kind = PickleValue::Kind;
-
-  template <class... Parts>
-  [[noreturn]] static void fail(Parts&&... parts) {
-    pickle_fail(std::forward<Parts>(parts)...);
-  }
-
-  // ---- bytes ----
-  std::string_view take(size_t count) {
-    if (count > bytes_.size() - pos_) fail("the pickle is truncated");
-    const auto piece = bytes_.substr(pos_, count);
-    pos_ += count;
-    return piece;
-  }
-  template <class T>
-  T little_endian() {  // pickle's integer arguments are little-endian, as this machine
-    T value;
-    std::memcpy(&value, take(sizeof(T)).data(), sizeof(T));
-    return value;
-  }
-  std::string_view line() {
-    const auto end = bytes_.find('\n', pos_);
-    if (end == std::string_view::npos) fail("the pickle is truncated");
-    const size_t length = end - pos_;
-    return take(length + 1).substr(0, length);
-  }
-
   // ---- stack and MARKs: nothing below the last MARK is reachable ----
   size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
   PickleValue pop() {
@@ -183,108 +150,14 @@ class Unpickler : private PickleBuilder {
     push(found->second);
   }
 
-  // ---- globals ----
-  void push_global(std::string_view module, std::string_view name) {
-    const auto role = allowed_global(module, name, flavor_);
-    if (!role) {
-      fail("the pickle names the global ", quote_untrusted(std::string(module) + "." + std::string(name)), ", which a file of weights never needs; ", kAllowedGlobals);
-    }
-    PickleValue value = make_text(Kind::Global, std::string(module) + "." + std::string(name));
-    value.integer = static_cast<int64_t>(*role);
-    push(value);
-  }
-  static GlobalRole role_of(const PickleValue& global) { return static_cast<GlobalRole>(global.integer); }
-
-  /// REDUCE: what the allowed global `callable` returns for `args`, done here.
-  PickleValue call(const PickleValue& callable, const PickleValue& args) {
-    if (callable.kind != Kind::Global) fail("REDUCE of ", a_kind(callable.kind), "; expected a global");
-    if (args.kind != Kind::Tuple) fail("REDUCE with ", a_kind(args.kind), "; expected a tuple");
-    const auto& list = document_.items(args);
-    const auto& name = document_.text(callable);
-    switch (role_of(callable)) {
-      case GlobalRole::OrderedDict: {
-        if (!list.empty()) fail(name, " called with ", list.size(), " arguments; expected ()");
-        PickleValue dict = make_container(Kind::Dict, {});
-        dict.integer = 1;  // takes state (BUILD), as an OrderedDict does
-        return dict;
-      }
-      case GlobalRole::RebuildTensor: {
-        if (list.size() < 4 || list[0].kind != Kind::Storage || list[1].kind != Kind::Int) {
-          fail(name, " with arguments other than (storage, offset, size, stride, ...)");
-        }
-        auto size = int_tuple(document_, list[2], "a tensor's size", limits_.max_dims);
-        auto stride = int_tuple(document_, list[3], "a tensor's stride", limits_.max_dims);
-        return make_tensor(Kind::Tensor, rebuild_tensor_view(document_.tensor(list[0]), list[1].integer, size, stride));
-      }
-      case GlobalRole::RebuildParameter:
-        // (data, requires_grad, backward_hooks[, state]): the data is all a state_dict needs.
-        if (list.empty() || list[0].kind != Kind::Tensor) fail(name, " of ", list.empty() ? "nothing" : a_kind(list[0].kind), "; expected a tensor");
-        return list[0];
-      case GlobalRole::FirstArgument:
-        if (list.empty()) fail(name, " of nothing; expected a value");
-        return list[0];
-      default:
-        fail("the pickle calls ", name, ", which is not callable here; ", kAllowedGlobals);
-    }
-  }
-
-  /// A storage, loaded once per key, so that tensors viewing one storage share it as in Python.
-  PickleValue persistent_load(const PickleValue& id) {
-    const auto* fields = id.kind == Kind::Tuple ? &document_.items(id) : nullptr;
-    if (fields == nullptr || fields->size() != 5 || (*fields)[0].kind != Kind::String ||
-        document_.text((*fields)[0]) != "storage" || (*fields)[1].kind != Kind::Global ||
-        role_of((*fields)[1]) != GlobalRole::StorageType || (*fields)[2].kind != Kind::String ||
-        (*fields)[4].kind != Kind::Int || (*fields)[4].integer < 0) {
-      fail("a persistent id that is not ('storage', torch.<Type>Storage, key, location, numel >= 0)");
-    }
-    const auto dtype = *storage_dtype(document_.text((*fields)[1]));
-    const std::string& key = document_.text((*fields)[2]);
-    const int64_t numel = (*fields)[4].integer;
-    auto found = storages_.find(key);
-    if (found == storages_.end()) {
-      const torch::Tensor storage = load_storage_(key, dtype, numel);
-      found = storages_.emplace(key, make_tensor(Kind::Storage, storage)).first;
-    }
-    const auto& loaded = document_.tensor(found->second);
-    if (loaded.scalar_type() != dtype || loaded.numel() != numel) {
-      fail("storage ", quote_untrusted(key), " is named as ", numel, " elements of ", dtype, " and as ", loaded.numel(), " of ",
-           loaded.scalar_type(), "; expected one type per storage");
-    }
-    return found->second;
-  }
-
-  void build() {
-    const PickleValue state = pop();
-    const PickleValue& target = top();
-    switch (target.kind) {
-      case Kind::Object: {
-        // A TorchScript object's attributes, by name. No method of its class runs.
-        if (state.kind != Kind::Dict) fail("BUILD of ", a_kind(state.kind), " on an object; expected a dict of attributes");
-        if (document_.items(target)[1].kind != Kind::None) fail("BUILD on an object that has its attributes; expected one BUILD");
-        set_object_state(target, state);
-        break;
-      }
-      case Kind::Dict:
-        // An OrderedDict's `_metadata` (each module's version, which Python's load_state_dict
-        // hands to _load_from_state_dict): it says nothing about the values.
-        if (target.integer != 1) fail("BUILD on a dict that is not an OrderedDict; expected BUILD only on an OrderedDict");
-        if (state.kind != Kind::Dict && state.kind != Kind::None) fail("BUILD of ", a_kind(state.kind), " on an OrderedDict; expected a dict");
-        break;
-      case Kind::Tensor:
-        if (state.kind != Kind::Dict && state.kind != Kind::None) fail("BUILD of ", a_kind(state.kind), " on a tensor; expected a dict");
-        break;
-      default:
-        fail("BUILD on ", a_kind(target.kind), "; expected one on an OrderedDict, a tensor or a TorchScript object");
-    }
-  }
   void step(uint8_t opcode) {
     switch (opcode) {
       case 0x80: {  // PROTO
-        const auto protocol = static_cast<uint8_t>(take(1)[0]);
+        const auto protocol = cursor_.byte();
         if (protocol < 2 || protocol > 5) fail("pickle protocol ", int(protocol), "; expected 2 (torch.save's) to 5");
         break;
       }
-      case 0x95: take(8); break;  // FRAME: only a read-ahead hint
+      case 0x95: cursor_.take(8); break;  // FRAME: only a read-ahead hint
       case '(':                   // MARK
         marks_.push_back(stack_.size());
         stats_.open_marks = std::max(stats_.open_marks, marks_.size());
@@ -295,14 +168,14 @@ class Unpickler : private PickleBuilder {
       case '2': push(top()); break;    // DUP
       case 'N': push(PickleValue{}); break;
       case 0x88: case 0x89: push_int(Kind::Bool, opcode == 0x88); break;  // NEWTRUE, NEWFALSE
-      case 'K': push_int(Kind::Int, little_endian<uint8_t>()); break;    // BININT1
-      case 'M': push_int(Kind::Int, little_endian<uint16_t>()); break;   // BININT2
-      case 'J': push_int(Kind::Int, little_endian<int32_t>()); break;    // BININT
+      case 'K': push_int(Kind::Int, cursor_.little_endian<uint8_t>()); break;    // BININT1
+      case 'M': push_int(Kind::Int, cursor_.little_endian<uint16_t>()); break;   // BININT2
+      case 'J': push_int(Kind::Int, cursor_.little_endian<int32_t>()); break;    // BININT
       case 0x8a: {  // LONG1: little-endian two's complement of n bytes
-        const auto n = static_cast<uint8_t>(take(1)[0]);
+        const auto n = cursor_.byte();
         if (n > 8) fail("an integer of ", int(n), " bytes; expected at most 8");
         uint64_t value = 0;
-        const auto digits = take(n);
+        const auto digits = cursor_.take(n);
         for (size_t i = 0; i < n; ++i) value |= uint64_t(static_cast<uint8_t>(digits[i])) << (8 * i);
         if (n > 0 && n < 8 && (static_cast<uint8_t>(digits[n - 1]) & 0x80)) value |= ~uint64_t(0) << (8 * n);
         push_int(Kind::Int, static_cast<int64_t>(value));
@@ -310,33 +183,33 @@ class Unpickler : private PickleBuilder {
       }
       case 'G': {  // BINFLOAT: big-endian
         uint64_t bits = 0;
-        for (char byte : take(8)) bits = (bits << 8) | static_cast<uint8_t>(byte);
+        for (char byte : cursor_.take(8)) bits = (bits << 8) | static_cast<uint8_t>(byte);
         PickleValue value;
         value.kind = Kind::Float;
         std::memcpy(&value.real, &bits, sizeof bits);
         push(value);
         break;
       }
-      case 0x8c: push(make_text(Kind::String, take(little_endian<uint8_t>()))); break;   // SHORT_BINUNICODE
-      case 'X': push(make_text(Kind::String, take(little_endian<uint32_t>()))); break;   // BINUNICODE
-      case 0x8d: push(make_text(Kind::String, take(little_endian<uint64_t>()))); break;  // BINUNICODE8
+      case 0x8c: push(make_text(Kind::String, cursor_.take(cursor_.little_endian<uint8_t>()))); break;   // SHORT_BINUNICODE
+      case 'X': push(make_text(Kind::String, cursor_.take(cursor_.little_endian<uint32_t>()))); break;   // BINUNICODE
+      case 0x8d: push(make_text(Kind::String, cursor_.take(cursor_.little_endian<uint64_t>()))); break;  // BINUNICODE8
       case 'c': {  // GLOBAL: "module\nname\n"
-        const auto module = line();
-        push_global(module, line());
+        const auto module = cursor_.line();
+        push(global(module, cursor_.line()));
         break;
       }
       case 0x93: {  // STACK_GLOBAL
         const PickleValue name = pop();
         const PickleValue module = pop();
         if (module.kind != Kind::String || name.kind != Kind::String) fail("STACK_GLOBAL of a non-string");
-        push_global(document_.text(module), document_.text(name));
+        push(global(document_.text(module), document_.text(name)));
         break;
       }
-      case 'q': memo_put(little_endian<uint8_t>()); break;   // BINPUT
-      case 'r': memo_put(little_endian<uint32_t>()); break;  // LONG_BINPUT
+      case 'q': memo_put(cursor_.little_endian<uint8_t>()); break;   // BINPUT
+      case 'r': memo_put(cursor_.little_endian<uint32_t>()); break;  // LONG_BINPUT
       case 0x94: memo_put(memo_.size()); break;              // MEMOIZE
-      case 'h': memo_get(little_endian<uint8_t>()); break;   // BINGET
-      case 'j': memo_get(little_endian<uint32_t>()); break;  // LONG_BINGET
+      case 'h': memo_get(cursor_.little_endian<uint8_t>()); break;   // BINGET
+      case 'j': memo_get(cursor_.little_endian<uint32_t>()); break;  // LONG_BINGET
       case ')': push(make_container(Kind::Tuple, {})); break;  // EMPTY_TUPLE
       case ']': push(make_container(Kind::List, {})); break;   // EMPTY_LIST
       case '}': push(make_container(Kind::Dict, {})); break;   // EMPTY_DICT
@@ -380,30 +253,25 @@ class Unpickler : private PickleBuilder {
       case 0x81: {  // NEWOBJ: cls.__new__(cls, *args), how a TorchScript object is pickled
         const PickleValue args = pop();
         const PickleValue cls = pop();
-        if (cls.kind != Kind::Global || role_of(cls) != GlobalRole::ScriptClass) {
-          fail("the pickle creates an object of ", cls.kind == Kind::Global ? quote_untrusted(document_.text(cls)) : std::string(a_kind(cls.kind)),
-               "; expected objects only of TorchScript classes (__torch__.*) in a TorchScript archive");
-        }
-        if (args.kind != Kind::Tuple || !document_.items(args).empty()) fail("NEWOBJ of ", quote_untrusted(document_.text(cls)), " with arguments; expected ()");
-        push(make_container(Kind::Object, {cls, PickleValue{}}));
+        push(new_object(cls, args));
         break;
       }
-      case 'b': build(); break;  // BUILD: sets an object's attributes
+      case 'b': {  // BUILD: sets an object's attributes
+        const PickleValue state = pop();
+        build(top(), state);
+        break;
+      }
       default:
         fail("opcode 0x", std::hex, int(opcode), std::dec,
              " is not one that torch.save writes for weights; expected a pickle of a dict of tensors");
     }
   }
 
-  std::string_view bytes_;
-  PickleFlavor flavor_;
-  StorageLoader load_storage_;
-  size_t pos_ = 0;
+  PickleCursor cursor_;
   size_t opcode_at_ = 0;  // where the opcode being run starts, for messages
   std::vector<PickleValue> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PickleValue> memo_;
-  std::unordered_map<std::string, PickleValue> storages_;  // key -> its Storage value
 };
 
 }  // namespace trainloop::serialization
