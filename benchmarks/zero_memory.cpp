@@ -1,7 +1,7 @@
 // zero_memory: peak memory per rank of DDP with gradients copied into buckets, DDP with gradients
-// as bucket views (the default) and the three sharding levels (gpu_mode::DistributedDataParallel::
-// sharding: optimizer = ZeRO-1, gradients = ZeRO-2, full = ZeRO-3, units the model's 7 layers), for
-// a ~100 M-parameter MLP trained with Adam, 2 CPU ranks (Gloo).
+// as bucket views (the default) and the three sharding levels (optimizer = ZeRO-1, DDP's zero();
+// gradients = ZeRO-2 and full = ZeRO-3, gpu_mode::FullyShardedDataParallel, units the model's 7
+// layers), for a ~100 M-parameter MLP trained with Adam, 2 CPU ranks (Gloo).
 //
 //   zero_memory --repetitions 2 --layers 6 --width 4096 --batch-size 8 --steps 4
 //
@@ -14,7 +14,6 @@
 // (EpochRecord::optimizer_state_bytes, the rank holding the most) and the step time.
 // On CUDA the allocator's peak would be the figure to compare; this benchmark measures the CPU.
 
-#include <trainloop/gpu_mode/distributed_data_parallel.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include "deep_linear.hpp"
@@ -108,12 +107,15 @@ int main(int argc, char** argv) {
         int64_t parameters = 0;
         for (const auto& p : net->parameters()) parameters += p.numel();
         torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-4));
-        auto mode = tl::gpu_mode::DistributedDataParallel()
-                        .procs_per_node(ranks)
-                        .device_type(torch::kCPU)
-                        .sharding(sharding)
-                        .gradient_as_bucket_view(config != "ddp-copies");
-        tl::TrainLoop<DeepLinear, tl::gpu_mode::DistributedDataParallel> loop(
+        tl::gpu_mode::Any mode = tl::gpu_mode::DistributedDataParallel()
+                                     .procs_per_node(ranks)
+                                     .device_type(torch::kCPU)
+                                     .zero(sharding == tl::distributed::Sharding::Optimizer)
+                                     .gradient_as_bucket_view(config != "ddp-copies");
+        if (sharding >= tl::distributed::Sharding::Gradients) {
+          mode = tl::gpu_mode::FullyShardedDataParallel().procs_per_node(ranks).device_type(torch::kCPU).sharding(sharding);
+        }
+        tl::TrainLoop<DeepLinear, tl::gpu_mode::Any> loop(
             net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(batch_size), mode);
         auto history = loop.fit(1, {std::make_shared<RecordMemory>(out, label)});
         if (!tl::is_main_process()) continue;  // a spawned rank passing an earlier fit(): only the launcher prints

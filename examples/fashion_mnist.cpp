@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   int64_t early_stop_patience = 0;
   bool lr_find = false;
   std::string progress = "auto";
-  app.add_option("--gpu-mode", gpu_mode, "single, dp or ddp");
+  app.add_option("--gpu-mode", gpu_mode, "single, dp, ddp or fsdp");
   app.add_option("--epochs", epochs, "training epochs")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "samples per batch (per rank in ddp)");
   app.add_option("--device", device, "cpu or cuda:N");
@@ -54,15 +54,16 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers, "background loader threads");
   app.add_option("--seed", seed, "seed for weights and shuffling");
   app.add_option("--history", history_csv, "write the per-epoch history to this CSV file");
-  app.add_option("--procs", procs, "ddp: processes on this machine (0: one per GPU, or 2 on the CPU)");
+  app.add_option("--procs", procs, "ddp, fsdp: processes on this machine (0: one per GPU, or 2 on the CPU)");
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");
   std::string comm_hook = "none";
   bool zero = false;
   std::string sharding = "none";
   app.add_flag("--zero", zero, "ddp: ZeRO-1, each rank keeps the optimizer state of about 1/procs of the parameters "
                "(the same as --sharding optimizer)");
-  app.add_option("--sharding", sharding, "ddp: what each rank keeps only 1/procs of: none, optimizer (ZeRO-1), "
-                 "gradients (ZeRO-2) or full (ZeRO-3, the parameters too, gathered per layer as it runs)")
+  app.add_option("--sharding", sharding, "ddp, fsdp: what each rank keeps only 1/procs of: none, optimizer (ZeRO-1, "
+                 "ddp), gradients (ZeRO-2) or full (ZeRO-3, the parameters too, gathered per layer as it runs; "
+                 "gradients and full train with fsdp, also when spelled --gpu-mode ddp)")
       ->check(CLI::IsMember({"none", "optimizer", "gradients", "full"}));
   app.add_option("--comm-hook", comm_hook, "ddp: how gradients travel between ranks: none (fp32), fp16 or bf16 (half the bytes), powersgd[:RANK] (low-rank factors)");
   app.add_option("--checkpoint-dir", checkpoint_dir,

@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   app.add_option("--memory-format", args.memory_format, "auto (channels-last for convolutional models), contiguous or channels-last")
       ->check(CLI::IsMember({"auto", "contiguous", "channels-last"}));
   app.add_option("--seed", args.seed, "seed for weights, shuffling and augmentation");
-  app.add_option("--gpu-mode", args.mode.gpu_mode, "single, dp or ddp");
+  app.add_option("--gpu-mode", args.mode.gpu_mode, "single, dp, ddp or fsdp");
   app.add_option("--device", args.mode.device, "cpu or cuda:N");
   app.add_option("--procs", args.mode.procs, "ddp: processes on this machine");
   app.add_option("--replicas", args.mode.replicas, "dp on the CPU: model replicas");

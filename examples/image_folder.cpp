@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   app.add_flag("--augment", augment, "random resized crops and horizontal flips for training (needs --size)");
   app.add_option("--mean", mean, "per-channel means to normalize with (default: measured on 1000 training images)");
   app.add_option("--std", stddev, "per-channel standard deviations to normalize with");
-  app.add_option("--gpu-mode", gpu_mode, "single, dp or ddp");
+  app.add_option("--gpu-mode", gpu_mode, "single, dp, ddp or fsdp");
   app.add_option("--device", device, "cpu or cuda:N");
   app.add_option("--procs", procs, "ddp: processes on this machine");
   app.add_option("--replicas", replicas, "dp on the CPU: number of model replicas");

@@ -193,6 +193,7 @@ int main(int argc, char** argv) {
                     .timeout(std::chrono::seconds(20))
                     .first_bucket_cap_bytes(256)  // several buckets even for a small model
                     .bucket_cap_bytes(1024);
+    tl::gpu_mode::Any chosen;  // the mode the main loop trains with: `mode`, unless TL_TEST_SHARDING asks for fsdp
     auto options = tl::TrainLoopOptions().batch_size(4).shuffle(false).metrics({std::make_shared<tl::Accuracy>()});
     // Multi-node runs (test_multinode) say where this "machine" sits; `world` is then per node.
     const int nnodes = std::getenv("TL_TEST_NNODES") ? std::stoi(std::getenv("TL_TEST_NNODES")) : 1;
@@ -227,8 +228,15 @@ int main(int argc, char** argv) {
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
       mode.zero(env_number("TL_TEST_ZERO", 0) != 0);
-      if (const char* level = std::getenv("TL_TEST_SHARDING")) mode.sharding(tl::distributed::sharding_named(level));
-      if (const char* units = std::getenv("TL_TEST_SHARDING_UNITS")) mode.sharding_units({units});
+      if (const char* level = std::getenv("TL_TEST_SHARDING")) {  // optimizer: ddp's zero; gradients, full: fsdp
+        const tl::distributed::Sharding sharding = tl::distributed::sharding_named(level);
+        if (sharding == tl::distributed::Sharding::Optimizer) mode.zero(true);
+        if (sharding >= tl::distributed::Sharding::Gradients) {
+          auto fsdp = tl::gpu_mode::FullyShardedDataParallel().processes_like(mode).sharding(sharding);
+          if (const char* units = std::getenv("TL_TEST_SHARDING_UNITS")) fsdp.sharding_units({units});
+          chosen = fsdp;
+        }
+      }
       if (const char* hook = std::getenv("TL_TEST_COMM_HOOK")) mode.comm_hook(tl::distributed::comm_hook_named(hook));
       if (const int64_t clip = env_number("TL_TEST_CLIP_PERCENT", 0)) options.clip_grad_norm(static_cast<double>(clip) / 100.0);
       options.grad_accumulation_steps(env_number("TL_TEST_ACCUMULATION", 1));
@@ -323,8 +331,9 @@ int main(int argc, char** argv) {
       return 0;
     }
 
-    tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> loop(net, train, val, trained_optimizer,
-                                                                   torch::nn::CrossEntropyLoss(), options, mode);
+    if (std::holds_alternative<tl::gpu_mode::Single>(chosen.get())) chosen = mode;
+    tl::TrainLoop<Mlp, tl::gpu_mode::Any> loop(net, train, val, trained_optimizer, torch::nn::CrossEntropyLoss(),
+                                               options, chosen);
     tl::EvalResult before;
     if (scenario == "lr_between_fits") before = loop.evaluate(val);
     if (scenario == "sync_bn") {  // test_recipe: BatchNorm over the global batch (TL_TEST_SYNC_BN=0: per rank)
@@ -351,9 +360,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (scenario == "sharded_model_changes") {  // test_distributed, in joined ranks: a sharded loop keeps its layout
-      mode.sharding(tl::distributed::Sharding::Gradients);
-      tl::TrainLoop<Mlp, tl::gpu_mode::DistributedDataParallel> sharded(net, train, {}, trained_optimizer,
-                                                                        torch::nn::CrossEntropyLoss(), options, mode);
+      auto fsdp = tl::gpu_mode::FullyShardedDataParallel().processes_like(mode).sharding(tl::distributed::Sharding::Gradients);
+      tl::TrainLoop<Mlp, tl::gpu_mode::FullyShardedDataParallel> sharded(net, train, {}, trained_optimizer,
+                                                                         torch::nn::CrossEntropyLoss(), options, fsdp);
       sharded.fit(1);
       net->fc3 = net->replace_module("fc3", torch::nn::Linear(16, 3));  // new tensors under the old names
       sharded.fit(1);

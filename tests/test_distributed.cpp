@@ -817,30 +817,30 @@ BOOST_AUTO_TEST_CASE(zero_owners_balance_the_elements_and_bad_settings_are_named
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
   for (int world : {2, 3, 4}) {
     int64_t total = 0, most = 0, least = kMlpParameters;
+    const auto layout = std::make_shared<const tl::distributed::FlatLayout>(adam, world);
     for (int r = 0; r < world; ++r) {
-      tl::distributed::ZeroOptimizerShard shard(adam, r, world);
-      total += shard.owned_elements(r);
-      most = std::max(most, shard.owned_elements(r));
-      least = std::min(least, shard.owned_elements(r));
+      total += layout->owned_elements(r);
+      most = std::max(most, layout->owned_elements(r));
+      least = std::min(least, layout->owned_elements(r));
     }
     BOOST_TEST(total == kMlpParameters);                                    // every element has exactly one owner
     BOOST_TEST(most == (kMlpParameters + world - 1) / world);               // exact shares: ceil(N / W)
     BOOST_TEST(most - least <= world);                                      // the last rank may hold a few less
-    BOOST_TEST(tl::distributed::ZeroOptimizerShard(adam, 0, world).piece_count() >= 1u);
+    BOOST_TEST(tl::distributed::ZeroOptimizerShard(layout, 0).piece_count() >= 1u);
   }
   // The largest tensor (fc2's weight, 256 of 435 elements) is split between ranks 0 and 1 for W = 2.
-  BOOST_TEST(tl::distributed::ZeroOptimizerShard(adam, 0, 2).owned_elements(0) == 218);
+  BOOST_TEST(tl::distributed::FlatLayout(adam, 2).owned_elements(0) == 218);
   // A tensor listed twice (tied weights) has one place in the layout, one state, and counts once.
   std::vector<torch::Tensor> tied = net->parameters();
   tied.push_back(net->fc2->weight);
   torch::optim::Adam tied_adam(tied, torch::optim::AdamOptions(0.01));
   for (int world : {2, 3}) {
     int64_t total = 0;
-    for (int r = 0; r < world; ++r) total += tl::distributed::ZeroOptimizerShard(tied_adam, r, world).owned_elements(r);
+    const tl::distributed::FlatLayout layout(tied_adam, world);
+    for (int r = 0; r < world; ++r) total += layout.owned_elements(r);
     BOOST_TEST(total == kMlpParameters);
-    tl::distributed::ZeroOptimizerShard shard(tied_adam, 1, world);
-    BOOST_TEST(shard.same_parameters(tied_adam));
-    BOOST_TEST(!shard.same_parameters(adam));
+    BOOST_TEST(layout.same_parameters(tied_adam));
+    BOOST_TEST(!layout.same_parameters(adam));
   }
   torch::optim::LBFGS lbfgs(net->parameters(), torch::optim::LBFGSOptions(0.1));
   try {
@@ -856,7 +856,7 @@ BOOST_AUTO_TEST_CASE(zero_owners_balance_the_elements_and_bad_settings_are_named
     tl::mode_from_flags(flags);
     BOOST_FAIL("ZeRO was accepted with gpu mode single");
   } catch (const tl::ConfigurationError& error) {
-    BOOST_TEST(std::string(error.what()).find("ZeRO is on with gpu mode 'single'; expected gpu mode ddp") !=
+    BOOST_TEST(std::string(error.what()).find("zero is 'on' with gpu mode 'single'; expected gpu mode ddp") !=
                std::string::npos);
   }
   flags.gpu_mode = "ddp";
@@ -872,21 +872,19 @@ BOOST_AUTO_TEST_CASE(sharding_units_are_the_named_submodules_and_bad_names_and_l
   BOOST_TEST(children.names == (std::vector<std::string>{"fc1", "fc2", "fc3"}));
   BOOST_TEST(children.unit_of.at(net->fc2->bias.unsafeGetTensorImpl()) == 1);
   for (int world : {2, 3}) {
+    const tl::distributed::FlatLayout layout(adam, world, children.unit_of);
+    BOOST_TEST(layout.unit_count() == 3u);
+    BOOST_TEST(layout.unit_length(1) == 272);
+    BOOST_TEST(layout.unit_chunk(1) == (272 + world - 1) / world);
     int64_t total = 0;
-    for (int r = 0; r < world; ++r) {
-      tl::distributed::ZeroOptimizerShard shard(adam, r, world, children.unit_of);
-      BOOST_TEST(shard.unit_count() == 3u);
-      BOOST_TEST(shard.unit_length(1) == 272);
-      BOOST_TEST(shard.unit_chunk(1) == (272 + world - 1) / world);
-      total += shard.owned_elements(r);
-    }
+    for (int r = 0; r < world; ++r) total += layout.owned_elements(r);
     BOOST_TEST(total == kMlpParameters);  // every element has exactly one owner
   }
   // One named unit: fc2's two tensors; fc1's and fc3's form the unit of the rest.
   const auto one = tl::distributed::assign_units(*net, {"fc2"});
   BOOST_TEST(one.names == (std::vector<std::string>{"fc2", ""}));
   BOOST_TEST(one.unit_of.at(net->fc1->weight.unsafeGetTensorImpl()) == 1);
-  BOOST_TEST(tl::distributed::ZeroOptimizerShard(adam, 0, 2, one.unit_of).unit_length(1) == 112 + 51);
+  BOOST_TEST(tl::distributed::FlatLayout(adam, 2, one.unit_of).unit_length(1) == 112 + 51);
   auto error_of = [](const std::function<void()>& body) {
     try {
       body();
@@ -903,19 +901,26 @@ BOOST_AUTO_TEST_CASE(sharding_units_are_the_named_submodules_and_bad_names_and_l
   tl::ModeFlags flags;
   flags.sharding = "full";
   BOOST_TEST(error_of([&] { tl::mode_from_flags(flags); }) ==
-             "trainloop: sharding is 'full' with gpu mode 'single'; expected gpu mode ddp (sharding splits the model "
-             "over DDP's processes) or sharding none");
+             "trainloop: sharding is 'full' with gpu mode 'single'; expected gpu mode ddp or fsdp (sharding splits the "
+             "model over their processes) or sharding none");
+  // `--gpu-mode ddp --sharding full` is the sharded mode; `--sharding optimizer` is ddp's ZeRO-1.
   flags.gpu_mode = "ddp";
-  BOOST_TEST(std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).resolved_sharding() ==
+  BOOST_TEST(std::get<tl::gpu_mode::FullyShardedDataParallel>(tl::mode_from_flags(flags).get()).sharding() ==
              tl::distributed::Sharding::Full);
-  BOOST_TEST(tl::gpu_mode::DistributedDataParallel().zero(true).resolved_sharding() == tl::distributed::Sharding::Optimizer);
+  flags.sharding = "optimizer";
+  BOOST_TEST(std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).zero());
+  flags.gpu_mode = "fsdp";
+  flags.sharding = "none";
+  BOOST_TEST(std::get<tl::gpu_mode::FullyShardedDataParallel>(tl::mode_from_flags(flags).get()).sharding() ==
+             tl::distributed::Sharding::Full);
+  flags.comm_hook = "fp16";
+  BOOST_TEST(error_of([&] { tl::mode_from_flags(flags); }) ==
+             "trainloop: comm hook is 'fp16' with gpu mode 'fsdp'; expected gpu mode ddp (hooks carry DDP's all-reduced "
+             "gradients between processes; sharded gradients are reduce-scattered) or comm hook none");
   BOOST_TEST(error_of([] {
-               tl::gpu_mode::DistributedDataParallel()
-                   .sharding(tl::distributed::Sharding::Gradients)
-                   .comm_hook(tl::distributed::comm_hook_named("fp16"))
-                   .validate();
-             }) == "trainloop: a comm hook is set with sharding gradients, whose gradients are reduce-scattered per unit, "
-                   "not all-reduced in buckets; expected no comm hook, or sharding none or optimizer");
+               tl::gpu_mode::FullyShardedDataParallel().sharding(tl::distributed::Sharding::Optimizer).validate();
+             }) == "trainloop: fsdp's sharding is optimizer; expected gradients or full (sharding none and optimizer are "
+                   "gpu_mode::DistributedDataParallel, the latter with zero(true))");
 }
 
 // Under torchrun a loop's ranks live on after a fit, holding the layout of the sharded parameters:

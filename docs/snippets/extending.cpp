@@ -46,8 +46,10 @@ class StopWhenConfident : public tl::Callback {
 };
 
 // A gpu mode: a policy type naming an engine, which implements the ModeEngine members
-// (engine/mode_engine.hpp). This one runs each micro-batch as `parts` chunks on one device, each
-// chunk's loss weighted by its share: the gradients of one pass, a chunk's activations in memory.
+// (engine/mode_engine.hpp); a one-process engine takes the identity ones (rank 0 of 1, collectives
+// that return their input) from OneProcessEngine and writes only its real work. This one runs
+// each micro-batch as `parts` chunks on one device, each chunk's loss weighted by its share: the
+// gradients of one pass, a chunk's activations in memory.
 template <class Module>
 class ChunkedEngine;
 struct Chunked {
@@ -57,23 +59,9 @@ struct Chunked {
   int64_t parts = 4;
 };
 template <class Module>
-class ChunkedEngine {
+class ChunkedEngine : public tl::OneProcessEngine {
  public:
   ChunkedEngine(const Chunked& mode, std::shared_ptr<Module> module) : parts_(mode.parts), module_(std::move(module)) {}
-  bool is_main() const { return true; }
-  int64_t rank() const { return 0; }
-  int64_t world_size() const { return 1; }
-  torch::Device device() const { return torch::kCPU; }
-  tl::DataShard data_shard() const { return {}; }
-  void all_reduce_sum(torch::Tensor&) {}
-  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
-  bool any_rank(bool flag) { return flag; }
-  void barrier() {}
-  void prepare() {}
-  void begin_fit(torch::optim::Optimizer&) {}
-  void end_fit() noexcept {}
-  void before_optimizer_step() {}
-  void after_optimizer_step() {}
   template <class Batch, class Forward, class Sink>
   void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool /*sync*/, Sink&& sink) {
     const auto n = static_cast<double>(batch.data.size(0));

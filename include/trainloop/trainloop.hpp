@@ -28,6 +28,7 @@
 #include <trainloop/finetune/parameter_groups.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
 #include <trainloop/gpu_mode/distributed_data_parallel.hpp>
+#include <trainloop/gpu_mode/fully_sharded_data_parallel.hpp>
 #include <trainloop/gpu_mode/mode_flags.hpp>
 #include <trainloop/gpu_mode/parse.hpp>
 #include <trainloop/gpu_mode/single.hpp>

@@ -6,16 +6,19 @@
 /// built-in mode uses (it calls the engine's finer optional members, engine/optional_members.hpp):
 ///
 /// 1. `before_optimizer_step()` — the mode finishes its gradient reduction;
-/// 2. fp16: unscale; a step whose gradients overflowed is skipped on every rank (agreed by a
-///    collective unless `gradients_agree()` says every rank holds the same gradients);
+/// 2. fp16: unscale the stepped tensors' gradients (`stepped_parameters`: the model's parameters,
+///    or what a sharded mode steps instead); a step whose gradients overflowed is skipped on every
+///    rank (agreed by a collective unless `gradients_agree()` says every rank holds the same gradients);
 /// 3. clipping (`clip_grad_norm`, the engine's or the local norm);
 /// 4. `request.before_step()` — the callbacks' `on_before_optimizer_step` (a schedule sets the
 ///    learning rate here, so the rate returned is read after it);
 /// 5. the step (`step_optimizer`), unless skipped; fp16's scaler adapts;
 /// 6. `after_optimizer_step()` (replicas refresh), then the gradients are cleared (`zero_grad`).
 ///
-/// A mode that needs something around the step (a sharded mode gathering parameters) can define
-/// `optimizer_step(request)` and call `default_optimizer_step(*this, request)` inside it.
+/// Every built-in mode steps through this sequence, the sharded one too: it fills the seams
+/// (stepped_parameters, clip_grad_norm, step_optimizer) with its pieces. A mode that needs
+/// something around the step can still define `optimizer_step(request)` and call
+/// `default_optimizer_step(*this, request)` inside it.
 
 #include <trainloop/engine/optional_members.hpp>
 #include <trainloop/optim/hyperparameters.hpp>
@@ -52,7 +55,7 @@ template <class Engine, class Module>
 OptimizerStepResult default_optimizer_step(Engine& engine, const OptimizerStepRequest<Module>& request) {
   engine.before_optimizer_step();
   GradScaler* scaler = request.scaler;
-  bool overflow = scaler != nullptr && scaler->unscale(request.module.parameters());
+  bool overflow = scaler != nullptr && scaler->unscale(detail::stepped_parameters(engine, request.module));
   if (scaler != nullptr && !detail::ranks_hold_same_gradients(engine)) overflow = engine.any_rank(overflow);
   if (request.clip_grad_norm > 0.0 && !overflow) detail::clip_gradients(engine, request.module, request.clip_grad_norm);
   if (request.before_step) request.before_step();

@@ -15,6 +15,9 @@
 /// | gradients_agree()                                 | true: every rank holds identical gradients after      |
 /// |                                                   | before_optimizer_step(), so fp16's overflow check     |
 /// |                                                   | needs no any_rank(). Default: false (ranks agree)     |
+/// | stepped_parameters(module)                        | the tensors the step updates, whose gradients fp16    |
+/// |                                                   | unscales. Default: module.parameters() (a sharded     |
+/// |                                                   | mode: its pieces, with their reduced chunks)          |
 /// | clip_grad_norm(module, max_norm)                  | clipping, on every rank: the norm over every rank's   |
 /// |                                                   | gradients (a collective). Default: the local norm     |
 /// | step_optimizer(optimizer)                         | the optimizer step, on every rank (not on a step fp16 |
@@ -43,7 +46,7 @@
 /// optimizer state on every rank, so the loop can clip by the local norm and let rank 0 write its
 /// optimizer. A sharded mode cannot: its rank r holds only shard r of the optimizer state (DDP
 /// with ZeRO-1) and perhaps of the gradients; it defines clip_grad_norm, step_optimizer and the
-/// two checkpoint members.
+/// two checkpoint members (FullyShardedDataParallel also stepped_parameters and unshard_parameters).
 ///
 /// The archive is the checkpoint's `__trainloop__/optimizer` entry; a sharded engine chooses its
 /// layout (for example one sub-archive per rank, or the shards gathered into libtorch's layout so
@@ -51,14 +54,16 @@
 /// against the optimizer before the engine's loader runs; one in the engine's own layout is the
 /// loader's to check. Checked by tests/test_user_mode.cpp; DDP's ZeRO-1
 /// (distributed/zero/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members;
-/// its levels 2 and 3 (distributed/zero/sharded_units.hpp) own the whole optimizer_step (the
-/// gradients are chunks) and level 3 defines unshard_parameters.
+/// gpu_mode::FullyShardedDataParallel fills every seam of the step (its gradients are chunks) and
+/// defines unshard_parameters.
 
 #include <trainloop/optim/optimizer_state.hpp>
 
 #include <torch/torch.h>
 
+#include <concepts>
 #include <functional>
+#include <vector>
 
 namespace trainloop::detail {
 
@@ -87,6 +92,17 @@ void zero_gradients(Engine& engine, torch::optim::Optimizer& optimizer) {
     engine.zero_grad(optimizer);
   } else {
     optimizer.zero_grad();
+  }
+}
+
+/// The tensors the optimizer step updates, whose gradients fp16 unscales: the engine's
+/// stepped_parameters when it has one (a sharded mode's pieces), otherwise the model's parameters.
+template <class Engine, class Module>
+std::vector<torch::Tensor> stepped_parameters(Engine& engine, Module& module) {
+  if constexpr (requires { { engine.stepped_parameters(module) } -> std::convertible_to<std::vector<torch::Tensor>>; }) {
+    return engine.stepped_parameters(module);
+  } else {
+    return module.parameters();
   }
 }
 

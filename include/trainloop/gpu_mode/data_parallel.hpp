@@ -13,6 +13,7 @@
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/one_process_engine.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/model_contract.hpp>
 
@@ -181,7 +182,7 @@ inline int data_parallel_threads_per_replica(const gpu_mode::DataParallel& mode,
 
 /// The engine of gpu_mode::DataParallel (see the policy's documentation for the behaviour).
 template <class Module>
-class DataParallelEngine {
+class DataParallelEngine : public OneProcessEngine {
  public:
   /// What this engine cannot train (see engine_supports_v below).
   static constexpr std::string_view cannot_train = gpu_mode::DataParallel::cannot_train;
@@ -191,15 +192,7 @@ class DataParallelEngine {
     for (const auto& device : mode_.devices()) devices_.push_back(with_index(device));
   }
 
-  bool is_main() const { return true; }
-  int64_t rank() const { return 0; }
-  int64_t world_size() const { return 1; }
   torch::Device device() const { return devices_[0]; }
-  DataShard data_shard() const { return {}; }
-  void all_reduce_sum(torch::Tensor&) {}
-  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
-  bool any_rank(bool flag) { return flag; }
-  void barrier() {}
 
   /// Places the model on devices[0] and builds the replicas and workers (once).
   void prepare() { ensure_started(); }
@@ -210,7 +203,6 @@ class DataParallelEngine {
     replicas_->clear_replica_gradients();
     replicas_->copy_to_replicas(/*only_changed=*/false);
   }
-  void end_fit() noexcept {}
 
   /// Forward and backward of every shard on its replica, in parallel; then sink(out) per shard, in order.
   template <class Batch, class Forward, class Sink>

@@ -1,20 +1,28 @@
 #pragma once
 /// @file
-/// @brief A mode from command-line style flags: `--gpu-mode single|dp|ddp`, `--device`,
-/// `--procs` (DDP processes on this machine), `--replicas` (DataParallel replicas on the CPU),
+/// @brief A mode from command-line style flags: `--gpu-mode single|dp|ddp|fsdp`, `--device`,
+/// `--procs` (processes on this machine), `--replicas` (DataParallel replicas on the CPU),
 /// `--comm-hook` (how DDP's gradients travel), `--zero` (DDP's optimizer state sharded),
-/// `--sharding none|optimizer|gradients|full` (what DDP shards; distributed/zero/sharding.hpp).
+/// `--sharding none|optimizer|gradients|full` (what each rank keeps 1/W of;
+/// distributed/zero/sharding.hpp: gradients and full are FullyShardedDataParallel, also when
+/// spelled `--gpu-mode ddp --sharding full`).
 ///
 /// @code
 /// trainloop::ModeFlags flags;            // filled by your command-line parser (CLI11, ...)
 /// app.add_option("--gpu-mode", flags.gpu_mode);
-/// trainloop::TrainLoop<Net, trainloop::gpu_mode::Any> loop(..., trainloop::mode_from_flags(flags));
+/// trainloop::TrainLoop loop(..., trainloop::mode_from_flags(flags));
 /// @endcode
+///
+/// Open to a user's mode: `mode_from_flags<gpu_mode::AnyOf<..., MyMode>>(flags)` chooses among
+/// those modes, and sets each up with `apply_mode_flags(MyMode&, const ModeFlags&)` when the
+/// user declares one beside MyMode (found by argument-dependent lookup); `ModeFlags::extra`
+/// carries its own flags.
 
 #include <trainloop/gpu_mode/parse.hpp>
 
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 #include <type_traits>
 #include <variant>
@@ -23,54 +31,84 @@ namespace trainloop {
 
 /// @brief The flags that choose and set up a gpu mode.
 struct ModeFlags {
-  std::string gpu_mode = "single";  ///< "single", "dp" or "ddp"
-  std::string device = "cpu";       ///< "cpu", "cuda", "cuda:1", ...: the device (single), device type (ddp)
-  int procs = 2;                    ///< ddp: processes on this machine (when trainloop spawns them)
+  std::string gpu_mode = "single";  ///< "single", "dp", "ddp", "fsdp" (or a user's mode's name)
+  std::string device = "cpu";       ///< "cpu", "cuda", "cuda:1", ...: the device (single), device type (ddp, fsdp)
+  int procs = 2;                    ///< ddp, fsdp: processes on this machine (when trainloop spawns them)
   int replicas = 2;                 ///< dp on the CPU: replicas on worker threads
   std::string comm_hook = "none";   ///< ddp: how gradients travel: none, fp16, bf16, powersgd[:RANK] (comm_hook_named)
   bool zero = false;                ///< ddp: ZeRO-1, the optimizer state sharded over the ranks
-  std::string sharding = "none";    ///< ddp: none, optimizer, gradients or full (distributed::sharding_named)
+  std::string sharding = "none";    ///< none, optimizer (ddp with ZeRO-1), gradients or full (fsdp); fsdp's "none" is full
+  std::map<std::string, std::string> extra;  ///< a user's mode's own flags, by name (read by its apply_mode_flags)
 };
 
-/// @brief The mode `flags` name, set up for their device.
-/// @throws trainloop::ConfigurationError for an unknown mode or device name (listing the valid modes),
-/// and for a comm hook, ZeRO or a sharding level other than none with a mode other than ddp.
-inline gpu_mode::Any mode_from_flags(const ModeFlags& flags) {
-  gpu_mode::Any mode = gpu_mode::parse(flags.gpu_mode);
-  const distributed::CommHookFactory comm_hook = distributed::comm_hook_named(flags.comm_hook);
-  if (comm_hook && !std::holds_alternative<gpu_mode::DistributedDataParallel>(mode.get())) {
-    throw ConfigurationError(detail::concat("trainloop: comm hook is '", flags.comm_hook, "' with gpu mode '",
-                                            flags.gpu_mode, "'; expected gpu mode ddp (hooks carry DDP's gradients "
-                                            "between processes) or comm hook none"));
-  }
-  if (flags.zero && !std::holds_alternative<gpu_mode::DistributedDataParallel>(mode.get())) {
-    throw ConfigurationError(detail::concat("trainloop: ZeRO is on with gpu mode '", flags.gpu_mode, "'; expected gpu "
-                                            "mode ddp (ZeRO shards the optimizer state over DDP's processes) or "
-                                            "ZeRO off"));
-  }
-  const distributed::Sharding sharding = distributed::sharding_named(flags.sharding);
-  if (sharding != distributed::Sharding::None && !std::holds_alternative<gpu_mode::DistributedDataParallel>(mode.get())) {
-    throw ConfigurationError(detail::concat("trainloop: sharding is '", flags.sharding, "' with gpu mode '",
-                                            flags.gpu_mode, "'; expected gpu mode ddp (sharding splits the model "
-                                            "over DDP's processes) or sharding none"));
-  }
-  torch::Device device(torch::kCPU);
+namespace gpu_mode {
+
+/// @brief The device `flags` name. @throws trainloop::ConfigurationError for a name libtorch cannot parse.
+inline torch::Device device_of_flags(const ModeFlags& flags) {
   try {
-    device = torch::Device(flags.device);
+    return torch::Device(flags.device);
   } catch (const std::exception&) {
     std::throw_with_nested(ConfigurationError(
-        detail::concat("trainloop: device is '", flags.device, "'; expected cpu, cuda or cuda:N")));
+        ::trainloop::detail::concat("trainloop: device is '", flags.device, "'; expected cpu, cuda or cuda:N")));
   }
+}
+
+/// @brief gpu_mode::Single on the flags' device.
+inline void apply_mode_flags(Single& mode, const ModeFlags& flags) { mode.device(device_of_flags(flags)); }
+/// @brief gpu_mode::DataParallel: `replicas` replicas on the CPU, or every visible GPU.
+inline void apply_mode_flags(DataParallel& mode, const ModeFlags& flags) {
+  if (device_of_flags(flags).is_cpu()) mode = DataParallel::cpu_replicas(flags.replicas);
+}
+/// @brief The processes of a multi-process mode: `procs` on the flags' device type.
+template <class Mode>
+void apply_process_flags(MultiProcess<Mode>& mode, const ModeFlags& flags) {
+  mode.device_type(device_of_flags(flags).type()).procs_per_node(flags.procs);
+}
+/// @brief gpu_mode::DistributedDataParallel: processes, comm hook, ZeRO-1.
+inline void apply_mode_flags(DistributedDataParallel& mode, const ModeFlags& flags) {
+  apply_process_flags(mode, flags);
+  mode.comm_hook(distributed::comm_hook_named(flags.comm_hook))
+      .zero(flags.zero || distributed::sharding_named(flags.sharding) == distributed::Sharding::Optimizer);
+}
+/// @brief gpu_mode::FullyShardedDataParallel: processes and level ("none" keeps the default, full).
+inline void apply_mode_flags(FullyShardedDataParallel& mode, const ModeFlags& flags) {
+  apply_process_flags(mode, flags);
+  const distributed::Sharding level = distributed::sharding_named(flags.sharding);
+  if (level != distributed::Sharding::None) mode.sharding(level);
+}
+
+}  // namespace gpu_mode
+
+/// @brief The mode `flags` name among `AnyMode`'s modes (the built-in ones by default), set up
+/// by its apply_mode_flags. `--gpu-mode ddp` with sharding gradients or full is the sharded mode.
+/// @throws trainloop::ConfigurationError for an unknown mode or device name (listing the valid
+/// modes), and for a comm hook, ZeRO or sharding with a mode that has none.
+template <class AnyMode = gpu_mode::Any>
+AnyMode mode_from_flags(const ModeFlags& flags) {
+  const distributed::Sharding sharding = distributed::sharding_named(flags.sharding);
+  const bool sharded = sharding >= distributed::Sharding::Gradients;
+  const std::string name = flags.gpu_mode == "ddp" && sharded ? "fsdp" : flags.gpu_mode;
+  AnyMode mode = AnyMode::parse(name);
+  const std::string described = name == flags.gpu_mode ? "gpu mode '" + name + "'"
+                                                         : "gpu mode 'ddp' and sharding " + flags.sharding + " (fsdp)";
+  auto require = [&](bool allowed, const char* what, const std::string& value, const char* expected) {
+    if (allowed) return;
+    throw ConfigurationError(detail::concat("trainloop: ", what, " is '", value, "' with ", described, "; expected ",
+                                            expected));
+  };
+  const bool comm_hook = static_cast<bool>(distributed::comm_hook_named(flags.comm_hook));
+  require(!comm_hook || name == "ddp", "comm hook", flags.comm_hook,
+          "gpu mode ddp (hooks carry DDP's all-reduced gradients between processes; sharded gradients are "
+          "reduce-scattered) or comm hook none");
+  require(!flags.zero || name == "ddp", "zero", "on", "gpu mode ddp (ZeRO-1 shards the optimizer state over DDP's "
+          "processes; fsdp shards it always) or ZeRO off");
+  require(sharding == distributed::Sharding::None || name == "ddp" || name == "fsdp", "sharding", flags.sharding,
+          "gpu mode ddp or fsdp (sharding splits the model over their processes) or sharding none");
+  require(sharding != distributed::Sharding::Optimizer || name == "ddp", "sharding", flags.sharding,
+          "gpu mode ddp for sharding optimizer (ZeRO-1), or gradients or full with fsdp");
   std::visit(
       [&](auto& policy) {
-        using Policy = std::decay_t<decltype(policy)>;
-        if constexpr (std::is_same_v<Policy, gpu_mode::Single>) {
-          policy.device(device);
-        } else if constexpr (std::is_same_v<Policy, gpu_mode::DataParallel>) {
-          if (device.is_cpu()) policy = gpu_mode::DataParallel::cpu_replicas(flags.replicas);
-        } else {
-          policy.device_type(device.type()).procs_per_node(flags.procs).comm_hook(comm_hook).zero(flags.zero).sharding(sharding);
-        }
+        if constexpr (requires { apply_mode_flags(policy, flags); }) apply_mode_flags(policy, flags);
       },
       mode.get());
   return mode;

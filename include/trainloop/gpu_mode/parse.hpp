@@ -14,6 +14,7 @@
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/data_parallel.hpp>
 #include <trainloop/gpu_mode/distributed_data_parallel.hpp>
+#include <trainloop/gpu_mode/fully_sharded_data_parallel.hpp>
 #include <trainloop/gpu_mode/single.hpp>
 
 #include <concepts>
@@ -83,9 +84,9 @@ class AnyOf {
 };
 
 /// @brief The built-in modes, chosen at run time.
-using Any = AnyOf<Single, DataParallel, DistributedDataParallel>;
+using Any = AnyOf<Single, DataParallel, DistributedDataParallel, FullyShardedDataParallel>;
 
-/// @brief The built-in mode named `name`, with default options: "single", "dp" or "ddp".
+/// @brief The built-in mode named `name`, with default options: "single", "dp", "ddp" or "fsdp".
 /// @throws trainloop::ConfigurationError listing the valid names for anything else.
 inline Any parse(std::string_view name) { return Any::parse(name); }
 

@@ -5,6 +5,7 @@
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/one_process_engine.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/model_contract.hpp>
 
@@ -51,24 +52,16 @@ inline void check_device_available(const torch::Device& device) {
                   " CUDA device(s)");
 }
 
-/// The engine of gpu_mode::Single: everything local, collectives are identities.
+/// The engine of gpu_mode::Single: everything local, collectives are identities (OneProcessEngine's).
 template <class Module>
-class SingleEngine {
+class SingleEngine : public OneProcessEngine {
  public:
   SingleEngine(const gpu_mode::Single& mode, std::shared_ptr<Module> module)
       : device_(mode.device()), module_(std::move(module)) {
     check_device_available(device_);
   }
 
-  bool is_main() const { return true; }
-  int64_t rank() const { return 0; }
-  int64_t world_size() const { return 1; }
   torch::Device device() const { return device_; }
-  DataShard data_shard() const { return {}; }
-  void all_reduce_sum(torch::Tensor&) {}
-  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
-  bool any_rank(bool flag) { return flag; }
-  void barrier() {}
 
   /// Places the model, and gives this process its share of the cores (cpu/threads.hpp):
   /// a CPU model trains with every usable core and a one-thread OpenBLAS pool by default.
@@ -77,7 +70,6 @@ class SingleEngine {
     module_->to(device_);
   }
   void begin_fit(torch::optim::Optimizer&) { prepare(); }
-  void end_fit() noexcept {}
 
   template <class Batch, class Forward, class Sink>
   void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool /*synchronize*/,
@@ -86,8 +78,6 @@ class SingleEngine {
     (loss_scale == 1.0 ? out.loss : out.loss * loss_scale).backward();
     sink(out);
   }
-  void before_optimizer_step() {}
-  void after_optimizer_step() {}
 
   template <class Batch, class Forward, class Sink>
   void eval_batch(const Batch& batch, Forward&& forward, Sink&& sink) {

@@ -25,12 +25,12 @@
 /// feature (accumulation, clipping, comm hooks, exact uneven batches) unchanged. The memory saved
 /// is (W-1)/W of the state.
 ///
-/// Levels 2 and 3 (DistributedDataParallel::sharding, distributed/zero/sharded_units.hpp) lay the
-/// parameters out by *unit* (a submodule, FSDP's wrapped module): each unit is a flat range of its
-/// own, cut in W equal chunks, so a unit's gradients can be reduce-scattered straight into the
-/// owners' pieces. There each piece's gradient is a slice of its unit's reduced chunk
-/// (unit_gradient), and at level 3 the pieces are views of this rank's own copy of its chunk
-/// (PieceHome::OwnShard, the only copy of those values between steps).
+/// gpu_mode::FullyShardedDataParallel lays the parameters out by *unit* (distributed/zero/flat_layout.hpp),
+/// reduce-scatters each unit's gradients into its owners' chunks (distributed/zero/unit_gradients.hpp)
+/// and steps the pieces with those chunks as their gradients (step_pieces); at level full the
+/// pieces are views of this rank's own chunk of each unit (distributed/zero/unit_parameters.hpp),
+/// the only copy of those values between steps. The layout is the engine's; this class owns only
+/// the pieces' views and their optimizer state.
 ///
 /// Checkpoints hold the whole state in libtorch's layout, one state per parameter (gather_state()
 /// joins the pieces on the writing rank), so a ZeRO checkpoint resumes in plain DDP, single, dp,
@@ -40,6 +40,7 @@
 #include <trainloop/detail/torch_compat.hpp>
 #include <trainloop/detail/type_name.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/zero/flat_layout.hpp>
 #include <trainloop/distributed/zero/piece_states.hpp>
 #include <trainloop/error.hpp>
 
@@ -57,8 +58,9 @@
 
 namespace trainloop::distributed {
 
-/// @brief This rank's exact share of the flat parameter space, and the four collectives of
-/// ZeRO-1: step, gather of the whole state (for a checkpoint), release, and keeping one's share.
+/// @brief This rank's pieces of the flat layout with their optimizer state: the step of its
+/// share, the gather of the whole state (for a checkpoint), its release, and keeping one's share
+/// of a whole state loaded.
 class ZeroOptimizerShard {
  public:
   /// @throws trainloop::ConfigurationError when `optimizer` cannot step a piece of a tensor.
@@ -79,141 +81,45 @@ class ZeroOptimizerShard {
     }
   }
 
-  /// Where a rank's pieces live: in the parameters (levels 1 and 2), or in a chunk of its own
-  /// per unit that the parameters are gathered from (level 3).
-  enum class PieceHome { Parameters, OwnShard };
-
-  /// Lays out every parameter of `optimizer` (its param groups in order) and cuts this rank's range.
-  /// `unit_of` (TensorImpl address to unit index) groups them in units, each cut separately;
-  /// empty: one unit, the whole flat space (level 1).
-  ZeroOptimizerShard(const torch::optim::Optimizer& optimizer, int rank, int world_size,
-                     const std::unordered_map<const void*, int>& unit_of = {}, PieceHome home = PieceHome::Parameters)
-      : rank_(rank), world_size_(world_size), home_(home) {
-    check_optimizer(optimizer);
-    std::unordered_map<const void*, size_t> distinct_index;
-    for (const auto& group : optimizer.param_groups()) {
-      for (const auto& parameter : group.params()) {
-        auto [found, added] = distinct_index.emplace(parameter.unsafeGetTensorImpl(), distinct_.size());
-        if (added) {
-          TRAINLOOP_CHECK(distinct_.empty() || (parameter.scalar_type() == distinct_.front().scalar_type() &&
-                                                parameter.device() == distinct_.front().device()),
-                          "ZeRO's flat shards need every parameter in one dtype on one device; parameter ",
-                          distinct_.size(), " is ", parameter.scalar_type(), " on ", parameter.device(), ", the first ",
-                          distinct_.front().scalar_type(), " on ", distinct_.front().device());
-          distinct_.push_back(parameter);
-        }
-        parameters_.push_back(parameter);
-        distinct_of_.push_back(found->second);
-      }
+  /// This rank's pieces of `layout` as views of the parameters (ZeRO-1, sharded gradients), or,
+  /// given `chunks` (one tensor per unit: this rank's own chunk of it, sharded parameters), as
+  /// views of those.
+  ZeroOptimizerShard(std::shared_ptr<const FlatLayout> layout, int rank, std::vector<torch::Tensor> chunks = {})
+      : layout_(std::move(layout)), rank_(rank) {
+    TRAINLOOP_CHECK(chunks.empty() || chunks.size() == layout_->unit_count(), "ZeRO was given ", chunks.size(),
+                    " chunks for ", layout_->unit_count(), " units; expected one per unit, or none");
+    piece_of_.assign(layout_->distinct().size(), -1);
+    for (const FlatLayout::Piece& piece : layout_->pieces_of(rank_)) {
+      piece_of_[piece.distinct] = static_cast<int64_t>(pieces_.size());
+      torch::Tensor view = chunks.empty()
+                               ? detail::flat_view(layout_->distinct()[piece.distinct]).narrow(0, piece.in_tensor, piece.length)
+                               : chunks[piece.unit].narrow(0, piece.in_chunk, piece.length);
+      pieces_.push_back(OwnedPiece{piece, std::move(view)});
     }
-    lay_out_units(unit_of);
-    piece_of_.assign(distinct_.size(), -1);  // a unit's range is contiguous: at most one piece per tensor
-    for (size_t u = 0; u < units_.size(); ++u) {
-      const auto [begin, end] = range_of(u, rank_);
-      if (home_ == PieceHome::OwnShard) own_shards_.push_back(distinct_.empty() ? torch::Tensor() :
-                                                             torch::zeros({units_[u].chunk}, distinct_.front().options()));
-      for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t flat, int64_t length) {
-        piece_of_[d] = static_cast<int64_t>(pieces_.size());
-        torch::Tensor view = home_ == PieceHome::OwnShard ? own_shards_[u].narrow(0, flat - begin, length)
-                                                          : detail::flat_view(distinct_[d]).narrow(0, in_tensor, length);
-        pieces_.push_back(Piece{d, u, in_tensor, length, flat, flat - begin, std::move(view)});
-      });
-    }
-    if (home_ == PieceHome::OwnShard) refresh_own_shards();
   }
 
-  /// Elements of the flat space rank `r` owns (its share of the optimizer state).
-  int64_t owned_elements(int r) const {
-    int64_t owned = 0;
-    for (size_t u = 0; u < units_.size(); ++u) {
-      const auto [begin, end] = range_of(u, r);
-      owned += end - begin;
-    }
-    return owned;
-  }
+  /// The layout the pieces are cut from.
+  const FlatLayout& layout() const { return *layout_; }
   /// How many pieces of tensors this rank owns (a tensor split at a range's end counts on both ranks).
   size_t piece_count() const { return pieces_.size(); }
 
-  // ---- the layout by unit, for levels 2 and 3 (distributed/zero/sharded_units.hpp) ----
-  /// Units in the layout (1 at level 1).
-  size_t unit_count() const { return units_.size(); }
-  /// Elements of unit `u` (its tensors end to end, without padding).
-  int64_t unit_length(size_t u) const { return units_[u].length; }
-  /// Elements of each rank's chunk of unit `u`: ceil(unit_length / W); the last chunks are padded.
-  int64_t unit_chunk(size_t u) const { return units_[u].chunk; }
-  /// The parameters of unit `u` (distinct tensors, in layout order) and where each starts in it.
-  std::vector<std::pair<torch::Tensor, int64_t>> unit_tensors(size_t u) const {
-    std::vector<std::pair<torch::Tensor, int64_t>> tensors;
-    for (size_t d : units_[u].members) tensors.emplace_back(distinct_[d], offsets_[d] - units_[u].begin);
-    return tensors;
-  }
-  /// Level 3: this rank's chunk of unit `u`, the values its pieces step (padding zero).
-  const torch::Tensor& own_shard(size_t u) const { return own_shards_.at(u); }
-  /// Level 3: copies this rank's chunk of every unit from the parameters' current values (after
-  /// they were whole on every rank: a loaded checkpoint, or gathered for evaluation).
-  void refresh_own_shards() {
-    torch::NoGradGuard no_grad;
-    for (const auto& piece : pieces_) {
-      own_shards_[piece.unit].narrow(0, piece.in_chunk, piece.length)
-          .copy_(detail::flat_view(distinct_[piece.distinct]).narrow(0, piece.in_tensor, piece.length));
-    }
-  }
-  /// Levels 2 and 3: the buffer rank's reduced chunk of unit `u`'s gradient lands in (zeros until
-  /// the first reduction).
-  torch::Tensor& unit_gradient(size_t u) {
-    if (unit_gradients_.empty()) {
-      for (const auto& unit : units_) unit_gradients_.push_back(torch::zeros({unit.chunk}, distinct_.front().options()));
-    }
-    return unit_gradients_[u];
-  }
-  /// Levels 2 and 3: points every piece's grad at its slice of its unit's reduced chunk (none for
-  /// a frozen parameter) and returns the pieces (what fp16's unscale and clipping see).
-  const std::vector<torch::Tensor>& pieces_with_unit_gradients() {
-    piece_views_.clear();
-    for (auto& piece : pieces_) {
-      // A frozen parameter has no gradient (as in plain DDP), so the optimizer leaves it alone.
-      piece.view.mutable_grad() = distinct_[piece.distinct].requires_grad()
-                                      ? unit_gradient(piece.unit).narrow(0, piece.in_chunk, piece.length)
-                                      : torch::Tensor();
-      piece_views_.push_back(piece.view);
-    }
-    return piece_views_;
-  }
-  /// Levels 2 and 3: steps this rank's pieces (their grads set by pieces_with_unit_gradients()).
-  void step_pieces(torch::optim::Optimizer& optimizer) {
-    check_same_parameters(optimizer);
-    torch::NoGradGuard no_grad;
-    PiecesAsGroups swapped(optimizer, *this);
-    optimizer.step();
-  }
-
-  /// Whether `optimizer` holds the parameters the layout was made for, in the same order.
-  bool same_parameters(const torch::optim::Optimizer& optimizer) const {
-    size_t index = 0;
-    for (const auto& group : optimizer.param_groups()) {
-      for (const auto& parameter : group.params()) {
-        if (index >= parameters_.size() || !parameter.is_same(parameters_[index])) return false;
-        ++index;
-      }
-    }
-    return index == parameters_.size();
-  }
-
-  /// Steps this rank's pieces with `optimizer`, then every owner broadcasts its pieces into the
-  /// parameters. A collective: every rank calls it after the same reduction.
+  /// ZeRO-1: steps this rank's pieces with `optimizer`, their gradients slices of the parameters'
+  /// whole (all-reduced) ones, then every owner broadcasts its pieces into the parameters. A
+  /// collective: every rank calls it after the same reduction.
   void step(torch::optim::Optimizer& optimizer, ProcessGroup& group) {
-    check_same_parameters(optimizer);
+    layout_->check_same_parameters(optimizer);
     torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> flat_grads(distinct_.size());
+    const std::vector<torch::Tensor>& distinct = layout_->distinct();
+    std::vector<torch::Tensor> flat_grads(distinct.size());
     for (auto& piece : pieces_) {
-      const torch::Tensor& grad = distinct_[piece.distinct].grad();
+      const torch::Tensor& grad = distinct[piece.where.distinct].grad();
       if (!grad.defined()) {
         piece.view.mutable_grad() = torch::Tensor();
         continue;
       }
-      torch::Tensor& flat = flat_grads[piece.distinct];
-      if (!flat.defined()) flat = detail::flat_in_layout_of(grad, distinct_[piece.distinct]);
-      piece.view.mutable_grad() = flat.narrow(0, piece.in_tensor, piece.length);
+      torch::Tensor& flat = flat_grads[piece.where.distinct];
+      if (!flat.defined()) flat = detail::flat_in_layout_of(grad, distinct[piece.where.distinct]);
+      piece.view.mutable_grad() = flat.narrow(0, piece.where.in_tensor, piece.where.length);
     }
     {
       PiecesAsGroups swapped(optimizer, *this);
@@ -223,20 +129,43 @@ class ZeroOptimizerShard {
     broadcast_pieces(group);
   }
 
+  /// Sharded gradients: points every piece's grad at its slice of its unit's reduced chunk in
+  /// `unit_gradients` (none for a frozen parameter) and returns the pieces (what fp16's unscale
+  /// and clipping see, and what step_pieces() steps).
+  const std::vector<torch::Tensor>& pieces_with_gradients(const std::vector<torch::Tensor>& unit_gradients) {
+    piece_views_.clear();
+    for (auto& piece : pieces_) {
+      // A frozen parameter has no gradient (as in plain DDP), so the optimizer leaves it alone.
+      piece.view.mutable_grad() = layout_->distinct()[piece.where.distinct].requires_grad()
+                                      ? unit_gradients[piece.where.unit].narrow(0, piece.where.in_chunk, piece.where.length)
+                                      : torch::Tensor();
+      piece_views_.push_back(piece.view);
+    }
+    return piece_views_;
+  }
+  /// Sharded gradients: steps this rank's pieces (their grads set by pieces_with_gradients()).
+  void step_pieces(torch::optim::Optimizer& optimizer) {
+    layout_->check_same_parameters(optimizer);
+    torch::NoGradGuard no_grad;
+    PiecesAsGroups swapped(optimizer, *this);
+    optimizer.step();
+  }
+
   /// After a whole state was loaded (a checkpoint, or an optimizer made before this fit): cuts
   /// this rank's pieces out of each parameter's state and erases the whole states.
   void keep_own_share(torch::optim::Optimizer& optimizer) const {
-    check_same_parameters(optimizer);
+    layout_->check_same_parameters(optimizer);
     auto& state = optimizer.state();
-    for (size_t d = 0; d < distinct_.size(); ++d) {
-      auto whole = state.find(::trainloop::detail::optimizer_state_key(state, distinct_[d]));
+    const std::vector<torch::Tensor>& distinct = layout_->distinct();
+    for (size_t d = 0; d < distinct.size(); ++d) {
+      auto whole = state.find(::trainloop::detail::optimizer_state_key(state, distinct[d]));
       if (whole == state.end()) continue;
       if (piece_of_[d] >= 0) {
-        const Piece& piece = pieces_[static_cast<size_t>(piece_of_[d])];
+        const OwnedPiece& piece = pieces_[static_cast<size_t>(piece_of_[d])];
         state[::trainloop::detail::optimizer_state_key(state, piece.view)] =
-            detail::slice_state(*whole->second, distinct_[d], piece.in_tensor, piece.length);
+            detail::slice_state(*whole->second, distinct[d], piece.where.in_tensor, piece.where.length);
       }
-      state.erase(::trainloop::detail::optimizer_state_key(state, distinct_[d]));
+      state.erase(::trainloop::detail::optimizer_state_key(state, distinct[d]));
     }
   }
 
@@ -245,8 +174,10 @@ class ZeroOptimizerShard {
   /// holds the whole state in libtorch's layout until release_gathered(). Only `root` ever holds
   /// more than its share, and only until then.
   void gather_state(torch::optim::Optimizer& optimizer, ProcessGroup& group, int root) {
-    check_same_parameters(optimizer);
+    layout_->check_same_parameters(optimizer);
     auto& state = optimizer.state();
+    const std::vector<torch::Tensor>& distinct = layout_->distinct();
+    const int world_size = layout_->world_size();
     torch::serialize::OutputArchive mine;
     if (rank_ != root) {
       for (const auto& piece : pieces_) {
@@ -254,7 +185,7 @@ class ZeroOptimizerShard {
         if (found == state.end()) continue;
         torch::serialize::OutputArchive one;
         found->second->serialize(one);
-        mine.write(std::to_string(piece.flat), one);
+        mine.write(std::to_string(piece.where.flat), one);
       }
     }
     std::ostringstream stream;
@@ -268,9 +199,9 @@ class ZeroOptimizerShard {
     std::map<int64_t, std::unique_ptr<torch::optim::OptimizerParamState>> by_flat;
     for (const auto& piece : pieces_) {
       auto found = state.find(::trainloop::detail::optimizer_state_key(state, piece.view));
-      if (found != state.end()) by_flat[piece.flat] = found->second->clone();
+      if (found != state.end()) by_flat[piece.where.flat] = found->second->clone();
     }
-    for (int r = 0; r < world_size_; ++r) {
+    for (int r = 0; r < world_size; ++r) {
       if (r == root || received[static_cast<size_t>(r)].numel() == 0) continue;
       const torch::Tensor& from = received[static_cast<size_t>(r)];
       torch::serialize::InputArchive archive;
@@ -284,33 +215,51 @@ class ZeroOptimizerShard {
         by_flat[std::stoll(key)] = std::move(piece_state);
       }
     }
-    for (size_t d = 0; d < distinct_.size(); ++d) {
+    for (size_t d = 0; d < distinct.size(); ++d) {
       std::vector<const torch::optim::OptimizerParamState*> parts;
-      for (auto it = by_flat.lower_bound(offsets_[d]); it != by_flat.end() && it->first < offsets_[d] + distinct_[d].numel(); ++it) {
+      for (auto it = by_flat.lower_bound(layout_->offset(d)); it != by_flat.end() && it->first < layout_->offset(d) + distinct[d].numel(); ++it) {
         parts.push_back(it->second.get());
       }
       if (parts.empty()) continue;  // never stepped (no gradient yet): no state, as in plain DDP
-      state[::trainloop::detail::optimizer_state_key(state, distinct_[d])] = detail::join_states(parts, distinct_[d]);
+      state[::trainloop::detail::optimizer_state_key(state, distinct[d])] = detail::join_states(parts, distinct[d]);
       gathered_.push_back(d);
     }
   }
 
   /// Erases what gather_state() added on the root (a no-op elsewhere).
   void release_gathered(torch::optim::Optimizer& optimizer) noexcept {
-    for (size_t d : gathered_) optimizer.state().erase(::trainloop::detail::optimizer_state_key(optimizer.state(), distinct_[d]));
+    for (size_t d : gathered_) optimizer.state().erase(::trainloop::detail::optimizer_state_key(optimizer.state(), layout_->distinct()[d]));
     gathered_.clear();
   }
 
+  /// After the step of ZeRO-1 and sharded gradients: every rank's range into every rank's
+  /// parameters: each owner broadcasts its pieces, which are contiguous views of the parameters,
+  /// so the values land in place (ProcessGroup::broadcast packs only the small ones into one
+  /// buffer). Parameters that do not require grad are not sent (a frozen backbone). Measured
+  /// against an all-gather of each rank's range through two staging buffers (4 Mi elements per
+  /// round), 100 M-parameter MLP, Adam, 2 CPU ranks, pip torch 2.11: 0.957 s per step vs 0.754 s
+  /// for the whole-tensor broadcasts of before; the copies in and out of the buffers were the
+  /// difference (benchmarks/README.md, zero_memory).
+  void broadcast_pieces(ProcessGroup& group) {
+    const std::vector<torch::Tensor>& distinct = layout_->distinct();
+    for (int r = 0; r < layout_->world_size(); ++r) {
+      std::vector<torch::Tensor> views;
+      for (size_t u = 0; u < layout_->unit_count(); ++u) {
+        const auto [begin, end] = layout_->range_of(u, r);
+        layout_->for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t, int64_t n) {
+          if (distinct[d].requires_grad()) views.push_back(detail::flat_view(distinct[d]).narrow(0, in_tensor, n));
+        });
+      }
+      if (!views.empty()) group.broadcast(views, r);
+    }
+  }
+
  private:
-  /// A contiguous part of one parameter in this rank's range.
-  struct Piece {
-    size_t distinct = 0;     ///< which parameter (distinct_ index)
-    size_t unit = 0;         ///< which unit it belongs to
-    int64_t in_tensor = 0;   ///< first element, in the parameter's memory order
-    int64_t length = 0;      ///< elements
-    int64_t flat = 0;        ///< first element in the flat index space
-    int64_t in_chunk = 0;    ///< first element in this rank's chunk of its unit
-    torch::Tensor view;      ///< 1-D view of the parameter's storage (or of own_shard): what the optimizer steps
+  /// One of this rank's pieces and the 1-D view the optimizer steps (of the parameter's storage,
+  /// or of this rank's own chunk).
+  struct OwnedPiece {
+    FlatLayout::Piece where;
+    torch::Tensor view;
   };
 
   /// The optimizer's param groups holding this rank's pieces instead of the parameters while it
@@ -323,7 +272,7 @@ class ZeroOptimizerShard {
       for (auto& group : optimizer_.param_groups()) {
         std::vector<torch::Tensor> mine;
         for (size_t i = 0; i < group.params().size(); ++i, ++index) {
-          const int64_t piece = shard.piece_of_[shard.distinct_of_[index]];
+          const int64_t piece = shard.piece_of_[shard.layout_->distinct_of(index)];
           if (piece >= 0) mine.push_back(shard.pieces_[static_cast<size_t>(piece)].view);
         }
         saved_.push_back(std::move(group.params()));
@@ -342,98 +291,12 @@ class ZeroOptimizerShard {
     std::vector<std::vector<torch::Tensor>> saved_;
   };
 
-  /// Calls f(distinct, first element in it, flat start, length) for each parameter overlapping
-  /// the flat range [begin, end).
-  template <class F>
-  void for_each_overlap(int64_t begin, int64_t end, F&& f) const {
-    for (size_t d = 0; d < distinct_.size(); ++d) {
-      const int64_t lo = std::max(begin, offsets_[d]), hi = std::min(end, offsets_[d] + distinct_[d].numel());
-      if (lo < hi) f(d, lo - offsets_[d], lo, hi - lo);
-    }
-  }
-
-  /// Groups the distinct tensors in units (all in unit 0 when `unit_of` is empty), in unit order
-  /// and each unit's tensors in first-listed order, and places them in the flat space.
-  void lay_out_units(const std::unordered_map<const void*, int>& unit_of) {
-    int count = 1;
-    std::vector<int> unit_index(distinct_.size(), 0);
-    for (size_t d = 0; d < distinct_.size() && !unit_of.empty(); ++d) {
-      auto found = unit_of.find(distinct_[d].unsafeGetTensorImpl());
-      TRAINLOOP_CHECK(found != unit_of.end(), "parameter ", d, " of the optimizer (sizes ", distinct_[d].sizes(),
-                      ") is in no unit of the model; expected the optimizer to hold only the model's parameters");
-      unit_index[d] = found->second;
-      count = std::max(count, found->second + 1);
-    }
-    units_.assign(static_cast<size_t>(count), Unit{});
-    offsets_.assign(distinct_.size(), 0);
-    for (size_t u = 0; u < units_.size(); ++u) {
-      units_[u].begin = total_;
-      for (size_t d = 0; d < distinct_.size(); ++d) {
-        if (unit_index[d] != static_cast<int>(u)) continue;
-        offsets_[d] = total_;
-        total_ += distinct_[d].numel();
-        units_[u].members.push_back(d);
-      }
-      units_[u].length = total_ - units_[u].begin;
-      units_[u].chunk = (units_[u].length + world_size_ - 1) / std::max(world_size_, 1);
-    }
-  }
-
-  /// Rank `r`'s range of unit `u` in the flat space: [begin, end).
-  std::pair<int64_t, int64_t> range_of(size_t u, int r) const {
-    const Unit& unit = units_[u];
-    const int64_t begin = unit.begin + std::min(unit.length, static_cast<int64_t>(r) * unit.chunk);
-    return {begin, std::min(unit.begin + unit.length, begin + unit.chunk)};
-  }
-
-  /// Levels 1 and 2, after the step: every rank's range into every rank's parameters: each owner broadcasts its pieces, which are
-  /// contiguous views of the parameters, so the values land in place (ProcessGroup::broadcast
-  /// packs only the small ones into one buffer). Parameters that do not require grad are not sent
-  /// (a frozen backbone). Measured against an all-gather of each rank's range through two staging
-  /// buffers (4 Mi elements per round), 100 M-parameter MLP, Adam, 2 CPU ranks, pip torch 2.11:
-  /// 0.957 s per step vs 0.754 s for the whole-tensor broadcasts of before; the copies in and out
-  /// of the buffers were the difference (benchmarks/README.md, zero_memory).
- public:
-  void broadcast_pieces(ProcessGroup& group) {
-    for (int r = 0; r < world_size_; ++r) {
-      std::vector<torch::Tensor> views;
-      for (size_t u = 0; u < units_.size(); ++u) {
-        const auto [begin, end] = range_of(u, r);
-        for_each_overlap(begin, end, [&](size_t d, int64_t in_tensor, int64_t, int64_t n) {
-          if (distinct_[d].requires_grad()) views.push_back(detail::flat_view(distinct_[d]).narrow(0, in_tensor, n));
-        });
-      }
-      if (!views.empty()) group.broadcast(views, r);
-    }
-  }
- private:
-
-
-  /// The optimizer must still hold the parameters the layout was made for.
-  void check_same_parameters(const torch::optim::Optimizer& optimizer) const {
-    TRAINLOOP_CHECK(same_parameters(optimizer), "the optimizer's parameters changed since ZeRO laid them out (",
-                    parameters_.size(), " then); expected the parameter groups the fit began with");
-  }
-
+  std::shared_ptr<const FlatLayout> layout_;
   int rank_ = 0;
-  int world_size_ = 1;
-  std::vector<torch::Tensor> parameters_;  // param groups in order, a tied tensor as often as listed
-  std::vector<size_t> distinct_of_;        // parameters_[i] is distinct_[distinct_of_[i]]
-  std::vector<torch::Tensor> distinct_;    // each tensor once, in first-listed order
-  std::vector<int64_t> offsets_;           // distinct_[d] starts at offsets_[d] in the flat space
-  int64_t total_ = 0;                      // elements of all distinct tensors
-  struct Unit {
-    int64_t begin = 0, length = 0, chunk = 0;  // flat start, elements, elements per rank: ceil(length / W)
-    std::vector<size_t> members;               // distinct indices, in layout order
-  };
-  std::vector<Unit> units_;                // the flat space, unit after unit
-  PieceHome home_ = PieceHome::Parameters;
-  std::vector<torch::Tensor> own_shards_;      // level 3: this rank's chunk of each unit
-  std::vector<torch::Tensor> unit_gradients_;  // levels 2 and 3: this rank's reduced chunk of each unit's gradient
-  std::vector<torch::Tensor> piece_views_;     // pieces_with_unit_gradients()' answer
-  std::vector<Piece> pieces_;              // this rank's range, in flat order
-  std::vector<int64_t> piece_of_;          // pieces_ index of distinct_[d]'s piece, -1 if none here
-  std::vector<size_t> gathered_;           // distinct indices gather_state() added on the root
+  std::vector<OwnedPiece> pieces_;          // this rank's range, in flat order
+  std::vector<int64_t> piece_of_;           // pieces_ index of distinct parameter d's piece, -1 if none here
+  std::vector<torch::Tensor> piece_views_;  // pieces_with_gradients()' answer
+  std::vector<size_t> gathered_;            // distinct indices gather_state() added on the root
 };
 
 }  // namespace trainloop::distributed

@@ -1,0 +1,171 @@
+#pragma once
+/// @file
+/// @brief What every multi-process engine does the same way, whatever it does with gradients:
+/// who this process is in the job, joining the process group (and the stall watchdog), the
+/// collectives the loop agrees through, starting every fit from rank 0's state, broadcasting
+/// buffers after a step, evaluating a batch, and the three ways a fit() runs (launch ranks, join
+/// as one, or pass/train a spawned rank's fit). DistributedDataParallelEngine and
+/// FullyShardedEngine derive from it and add their gradient path.
+///
+/// How a run goes:
+/// - In a plain process, fit() becomes the launcher: it saves the model and optimizer, re-executes
+///   this program once per local rank (distributed::Launcher), waits, and loads the trained state back,
+///   so the caller's model is trained when fit() returns. If a rank fails, the others are killed
+///   and fit() throws naming the rank and its error.
+/// - In a rank (spawned by us, or started by torchrun, Slurm `srun` or Open MPI `mpirun`), fit()
+///   joins the process group, broadcasts rank 0's parameters and buffers, trains its shard of the
+///   data, and returns on every rank. A rank we spawned ends its process when its fit() is done:
+///   the program after fit() runs once, in the launching process.
+
+#include <trainloop/cpu/threads.hpp>
+#include <trainloop/distributed/comm/model_sync.hpp>
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/spawn/spawn_relay.hpp>
+#include <trainloop/distributed/watch/stall_watchdog.hpp>
+#include <trainloop/engine/fit_actions.hpp>
+#include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/gpu_mode/single.hpp>
+#include <trainloop/history.hpp>
+#include <trainloop/model_contract.hpp>
+#include <trainloop/detail/torch_compat.hpp>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace trainloop::detail {
+
+/// @brief The shared part of a multi-process engine (this file's comment); `Mode` is its policy
+/// (a gpu_mode::MultiProcess).
+template <class Module, class Mode>
+class RankEngine {
+ public:
+  RankEngine(const Mode& mode, std::shared_ptr<Module> module)
+      : mode_(mode), module_(std::move(module)), env_(distributed::detail::cached_rank_env()) {
+    mode_.validate();
+    if (env_) {
+      device_ = rank_device();
+    } else if (auto parameters = module_->parameters(); !parameters.empty()) {
+      device_ = parameters.front().device();  // the launching process evaluates where the model is
+    }
+  }
+
+  /// A rank trainloop's launcher started (its fits train from the caller's checkpoint).
+  bool spawned() const { return env_ && env_->source == distributed::RankEnvSource::Trainloop; }
+
+  // ---- the mode interface -------------------------------------------------------------
+  bool is_main() const { return rank() == 0; }
+  int64_t rank() const { return env_ ? env_->rank : 0; }
+  int64_t world_size() const { return env_ ? env_->world_size : 1; }
+  torch::Device device() const { return device_; }
+  DataShard data_shard() const { return {rank(), world_size()}; }
+  void all_reduce_sum(torch::Tensor& tensor) {
+    if (group_) group_->all_reduce_sum(tensor);
+  }
+  torch::Tensor all_gather(const torch::Tensor& tensor) {
+    return group_ ? group_->all_gather(tensor) : tensor.unsqueeze(0);
+  }
+  bool any_rank(bool flag) {
+    if (!group_ || group_->world_size() == 1) return flag;  // one rank agrees with itself: no host sync
+    auto value = torch::full({1}, flag ? 1.0 : 0.0, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+    group_->all_reduce_max(value);
+    return value.item<float>() > 0.5f;
+  }
+  void barrier() {
+    if (group_) group_->barrier();
+  }
+
+  /// In a rank: threads, the model on this rank's device, the process group, and — in a rank that
+  /// joined (torchrun, srun, mpirun) — every rank holding rank 0's parameters and buffers. Once;
+  /// every entry point calls it, so evaluate() before fit() is exact too. A rank we spawned skips
+  /// the broadcast: its fit() starts by loading the caller's state from initial.ckpt, the same file
+  /// on every rank (what it evaluates before that is a replay nobody sees: the launching process
+  /// evaluates the caller's model locally). In the launching process: nothing.
+  void prepare() {
+    if (!env_ || group_) return;
+    cpu::apply_intra_op_threads(cpu::intra_op_threads_for(env_->local_world_size));
+    module_->to(device_);
+    distributed::ProcessGroupOptions options;
+    options.backend = mode_.backend();
+    options.device = device_;
+    options.timeout = mode_.timeout();
+    group_ = &distributed::session_process_group(options);
+    // Every launcher's ranks pass here: spawned, torchrun, srun, mpirun.
+    distributed::start_stall_watchdog(distributed::detail::session_group().options, *env_, mode_.stall_watch());
+    if (!spawned()) {
+      distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
+      synced_since_join_ = true;
+    }
+  }
+
+  /// After every step: rank 0's buffers (BatchNorm's running statistics) to every rank.
+  void after_optimizer_step() {
+    if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
+  }
+  /// Zeroes the gradients keeping their tensors (in libtorch 2.x too, whose default sets them to
+  /// none): gradients kept as bucket views stay views.
+  void zero_grad(torch::optim::Optimizer& optimizer) { zero_grad_in_place(optimizer); }
+
+  template <class Batch, class Forward, class Sink>
+  void eval_batch(const Batch& batch, Forward&& forward, Sink&& sink) {
+    torch::NoGradGuard no_grad;
+    sink(forward(*module_, batch_to_device(batch, device_)));
+  }
+
+  /// Runs the loop the way this process's role requires: launch ranks (distributed/spawn/spawn_relay.hpp),
+  /// join as a rank (torchrun, Slurm, Open MPI), or, in a rank we spawned, pass or train the
+  /// matching fit() call.
+  History run_fit(const FitActions& actions, const ResumeSpec& resume) {
+    const int fit_index = distributed::detail::next_fit_index();
+    if (!env_) {
+      distributed::SpawnFitOptions spawn;
+      spawn.fit_index = fit_index;
+      spawn.max_restarts = mode_.max_restarts();
+      return distributed::launch_spawned_fit(actions, mode_.launch_options(), spawn);
+    }
+    if (env_->source != distributed::RankEnvSource::Trainloop) return actions.train(resume);
+    return distributed::run_spawned_rank_fit(*env_, fit_index, actions, resume, [this] { barrier(); });
+  }
+
+ protected:
+  /// The start of every fit in a rank: joined, and every rank holding rank 0's state — one
+  /// broadcast per fit in a joined rank (the one prepare() made when this fit joined the group, or
+  /// a new one); none in a rank we spawned, which loads the caller's state, "initial.ckpt", as the
+  /// loop resumes from it (every rank reads the same file). Lists the buffers to broadcast after
+  /// each step (none with one rank).
+  void join_fit() {
+    TRAINLOOP_CHECK(env_.has_value(), "the ", Mode::name, " engine trained outside a rank; expected fit() to launch ranks");
+    prepare();
+    if (!spawned() && !std::exchange(synced_since_join_, false)) distributed::broadcast_module_state(*module_, *group_);
+    if (group_->world_size() > 1) buffers_ = module_->buffers();
+  }
+  /// What join_fit() listed, let go at the fit's end.
+  void leave_fit() noexcept { buffers_.clear(); }
+
+  Mode mode_;
+  std::shared_ptr<Module> module_;
+  const std::optional<distributed::RankEnv>& env_;
+  torch::Device device_ = torch::Device(torch::kCPU);
+  distributed::ProcessGroup* group_ = nullptr;
+
+ private:
+  torch::Device rank_device() const {
+    if (mode_.resolved_device_type() != torch::kCUDA) return torch::Device(torch::kCPU);
+    const int local = env_->local_rank;
+    const int index = mode_.gpus().empty() ? local : mode_.gpus().at(static_cast<size_t>(local));
+    torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+    check_device_available(device);
+    return device;
+  }
+
+  bool synced_since_join_ = false;      // prepare() broadcast rank 0's state and no fit has used that yet
+  std::vector<torch::Tensor> buffers_;  // listed once per fit, broadcast after every step
+};
+
+}  // namespace trainloop::detail
