@@ -2,6 +2,8 @@
 /// @file
 /// @brief What fit() returns: one record per epoch, and the result of evaluate().
 
+#include <trainloop/error.hpp>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -59,6 +61,54 @@ struct History {
 
   /// @brief The last epoch's record; throws std::out_of_range when no epoch ran.
   const EpochRecord& last() const { return epochs.at(epochs.size() - 1); }
+
+  /// @brief The last epoch's validation value of the metric called `name` (a Metric's name(),
+  /// e.g. "accuracy"): `history.validation("accuracy")`.
+  /// @throws trainloop::ConfigurationError naming the metrics the last epoch has, when it has no
+  ///         metric of that name, ran no validation, or when no epoch ran.
+  double validation(const std::string& name) const {
+    const EvalResult& result = last_validation(detail::concat("validation metric '", name, "'"));
+    const auto found = result.metrics.find(name);
+    TRAINLOOP_CHECK(found != result.metrics.end(), "validation metric '", name,
+                    "' is not recorded; the last epoch has: ", metric_names(result.metrics));
+    return found->second;
+  }
+  /// @brief The last epoch's training value of the metric called `name`: `history.train("accuracy")`.
+  /// @throws trainloop::ConfigurationError naming the metrics the last epoch has, when it has no
+  ///         metric of that name, or when no epoch ran.
+  double train(const std::string& name) const {
+    const EpochRecord& record = last_epoch(detail::concat("training metric '", name, "'"));
+    const auto found = record.train_metrics.find(name);
+    TRAINLOOP_CHECK(found != record.train_metrics.end(), "training metric '", name,
+                    "' is not recorded; the last epoch has: ", metric_names(record.train_metrics));
+    return found->second;
+  }
+  /// @brief The last epoch's mean validation loss per sample.
+  /// @throws trainloop::ConfigurationError when the last epoch ran no validation, or no epoch ran.
+  double validation_loss() const { return last_validation("validation loss").loss; }
+  /// @brief The last epoch's mean training loss per sample.
+  /// @throws trainloop::ConfigurationError when no epoch ran.
+  double train_loss() const { return last_epoch("training loss").train_loss; }
+
+ private:
+  // "accuracy, top5_accuracy", or why there is none.
+  static std::string metric_names(const std::map<std::string, double>& metrics) {
+    if (metrics.empty()) return "no metric (TrainLoopOptions::metrics is empty)";
+    std::string names;
+    for (const auto& [metric, value] : metrics) names += (names.empty() ? "" : ", ") + metric;
+    return names;
+  }
+  const EpochRecord& last_epoch(const std::string& what) const {
+    TRAINLOOP_CHECK(!epochs.empty(), what, " is not recorded: the History has no epoch; expected one trained by fit()");
+    return epochs.back();
+  }
+  const EvalResult& last_validation(const std::string& what) const {
+    const EpochRecord& record = last_epoch(what);
+    TRAINLOOP_CHECK(record.validation.has_value(), what, " is not recorded; the last epoch (", record.epoch,
+                    ") ran no validation: expected a validation dataset given to the TrainLoop, and an epoch that "
+                    "fit() finished (not one it stopped inside)");
+    return *record.validation;
+  }
 };
 
 }  // namespace trainloop
