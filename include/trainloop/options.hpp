@@ -4,6 +4,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/metrics/metric.hpp>
+#include <trainloop/metrics/metric_list.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
 #include <trainloop/precision/precision.hpp>
@@ -18,7 +19,7 @@
 namespace trainloop {
 
 /// @brief Options of a TrainLoop, in libtorch's fluent style:
-/// `TrainLoopOptions().batch_size(128).seed(7).metrics({std::make_shared<Accuracy>()})`.
+/// `TrainLoopOptions().batch_size(128).seed(7).metrics({Accuracy()})`.
 struct TrainLoopOptions {
   /// Samples per micro-batch on each process (per rank in DDP; split across replicas in DP).
   TORCH_ARG(int64_t, batch_size) = 64;
@@ -36,8 +37,9 @@ struct TrainLoopOptions {
   TORCH_ARG(int64_t, grad_accumulation_steps) = 1;
   /// Clip the global gradient norm to this value before each step; 0 disables clipping.
   TORCH_ARG(double, clip_grad_norm) = 0.0;
-  /// Metrics computed on training and validation data (the loss is always computed).
-  TORCH_ARG(std::vector<std::shared_ptr<Metric>>, metrics) = {};
+  /// Metrics computed on training and validation data (the loss is always computed): by value
+  /// (`{Accuracy(), TopKAccuracy(5)}`, each copied) or as shared_ptrs, as MetricList takes them.
+  TORCH_ARG(MetricList, metrics) = {};
   /// Stop with an error when the epoch's training loss is NaN or infinite (every rank agrees).
   TORCH_ARG(bool, stop_on_non_finite_loss) = true;
   /// Intra-op threads of each process (each replica in DataParallel); 0 chooses from the usable
