@@ -238,5 +238,30 @@ class ModelHandle {
   stored_type model_;
 };
 
+template <class>
+inline constexpr bool always_false_v = false;
+
+/// The Model of TrainLoop's deduction guides, from the model handle given to the constructor: a
+/// TORCH_MODULE holder (torch::nn::Sequential, `Net` for `NetImpl`) is the Model itself; a
+/// `std::shared_ptr<Impl>` makes the Model `Impl`.
+template <class Handle>
+struct model_of_handle {
+  static_assert(always_false_v<Handle>,
+                "trainloop: TrainLoop cannot deduce its Model from the model argument: expected a TORCH_MODULE holder "
+                "(torch::nn::Sequential, Net for NetImpl) or a std::shared_ptr to the module, or the Model named as "
+                "in TrainLoop<Model>");
+};
+template <class Handle>
+  requires is_module_holder_v<Handle>
+struct model_of_handle<Handle> {
+  using type = Handle;
+};
+template <class Impl>
+struct model_of_handle<std::shared_ptr<Impl>> {
+  using type = Impl;
+};
+template <class Handle>
+using model_of_handle_t = typename model_of_handle<std::remove_cvref_t<Handle>>::type;
+
 }  // namespace detail
 }  // namespace trainloop

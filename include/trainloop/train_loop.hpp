@@ -5,6 +5,7 @@
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/callbacks/lr_finder.hpp>
 #include <trainloop/callbacks/progress_bar.hpp>
+#include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/cpu/allocator.hpp>
 #include <trainloop/cpu/threads.hpp>
@@ -46,6 +47,15 @@ namespace trainloop {
 ///                                torch::nn::CrossEntropyLoss(),
 ///                                trainloop::TrainLoopOptions().batch_size(128));
 /// trainloop::History history = loop.fit(5);
+/// @endcode
+///
+/// The template arguments may be left to the compiler (the deduction guides below the class):
+/// Model from the model (a TORCH_MODULE holder, or `std::shared_ptr<Impl>` for `Impl`), GpuMode
+/// from the mode argument (gpu_mode::Single without one), Batch from the training dataset:
+///
+/// @code
+/// trainloop::TrainLoop loop(net, train_set, test_set, optimizer, torch::nn::CrossEntropyLoss(),
+///                           trainloop::TrainLoopOptions(), trainloop::gpu_mode::parse("ddp"));
 /// @endcode
 ///
 /// The caller's model holds the trained weights after fit(), in every mode.
@@ -127,9 +137,22 @@ class TrainLoop {
   ///        A checkpoint written inside a fit() call that did not finish continues that call to
   ///        its end (so rerunning a killed program finishes its fit); one written after its end
   ///        starts a new call of `length`. After a restart (max_restarts, torchrun) "last" is
-  ///        implied when a ModelCheckpoint is given.
+  ///        implied when a ModelCheckpoint is given. The overloads that take a Resume say the
+  ///        same typed: Resume::none(), Resume::last(), Resume::from(path).
   /// @return the History of every epoch so far (earlier fits and resumed checkpoints included).
   History fit(const FitLength& length, const CallbackList& given = {}, const std::string& resume = "") {
+    return fit(length, given, detail::resume_of(resume));
+  }
+
+  /// @brief Trains for `epochs` more epochs, resuming as `resume` says:
+  /// `fit(10, {checkpoints}, Resume::last())`; see the FitLength overload.
+  History fit(int64_t epochs, const CallbackList& callbacks, const Resume& resume) {
+    return fit(FitLength::epochs(epochs), callbacks, resume);
+  }
+
+  /// @brief Trains for `length`, resuming as `resume` says: Resume::last(), Resume::from(path) and
+  /// Resume::none() do exactly what the string overload's "last", path and "" do.
+  History fit(const FitLength& length, const CallbackList& given, const Resume& resume) {
     const CallbackList callbacks = detail::with_default_progress(given, options_.progress());
     const detail::ResumeSpec spec = detail::resolve_resume(resume, callbacks);
     return with_prepared_engine([&](auto& mode_engine) {
@@ -227,6 +250,8 @@ class TrainLoop {
   const model_handle& model() const { return handle_.get(); }
   /// @brief The options the loop was built with.
   const TrainLoopOptions& options() const { return options_; }
+  /// @brief The optimizer the loop was built with (the caller's object, which it steps).
+  torch::optim::Optimizer& optimizer() const { return optimizer_; }
 
  private:
   /// Calls `f` with the concrete engine: directly for a compile-time mode, through one
@@ -287,5 +312,20 @@ class TrainLoop {
   std::optional<engine_type> engine_;
   detail::TrainingProgress progress_;  // where training stands, over every fit() of this loop
 };
+
+/// @brief Deduces `TrainLoop<Model, GpuMode, Batch>` from the constructor's arguments: Model from
+/// the model (a TORCH_MODULE holder is the Model; a `std::shared_ptr<Impl>` makes it `Impl`),
+/// GpuMode from the mode (gpu_mode::Single without one), Batch from what the training dataset
+/// yields (torch::data::Example<> for TensorDataset, FashionMNIST, ImageFolder).
+template <class ModelArg, class TrainDataset, class GpuMode = gpu_mode::Single>
+TrainLoop(ModelArg, TrainDataset, data::AnyDataset<detail::dataset_batch_t<TrainDataset>>, torch::optim::Optimizer&,
+          Criterion, TrainLoopOptions = {}, GpuMode = {})
+    -> TrainLoop<detail::model_of_handle_t<ModelArg>, GpuMode, detail::dataset_batch_t<TrainDataset>>;
+
+/// @brief The same for the constructor without a criterion (a model that computes its own loss).
+template <class ModelArg, class TrainDataset, class GpuMode = gpu_mode::Single>
+TrainLoop(ModelArg, TrainDataset, data::AnyDataset<detail::dataset_batch_t<TrainDataset>>, torch::optim::Optimizer&,
+          TrainLoopOptions = {}, GpuMode = {})
+    -> TrainLoop<detail::model_of_handle_t<ModelArg>, GpuMode, detail::dataset_batch_t<TrainDataset>>;
 
 }  // namespace trainloop

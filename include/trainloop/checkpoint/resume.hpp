@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// @brief What `fit(..., resume)` resumes from: "last" (the ModelCheckpoint's newest, falling back
-/// to older ones when it is unreadable), a checkpoint directory, or one file.
+/// to older ones when it is unreadable), a checkpoint directory, or one file; typed as
+/// Resume::last() and Resume::from(path), or as fit()'s string argument.
 
 #include <trainloop/checkpoint/checkpoint_names.hpp>
 #include <trainloop/checkpoint/checkpoint_source.hpp>
@@ -11,7 +12,48 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
+
+namespace trainloop {
+
+/// @brief What fit() resumes from, typed: `loop.fit(10, {checkpoints}, Resume::last())`. The
+/// choices of fit()'s string argument ("", "last", a path), each behaving exactly as its string,
+/// except that Resume::from("last") is the path `last`, never the keyword.
+class Resume {
+ public:
+  /// @brief Nothing: continue from the loop as it stands (fit()'s ""). After a restart
+  /// (max_restarts, torchrun) last() is implied when a ModelCheckpoint is among the callbacks.
+  static Resume none() { return Resume(); }
+  /// @brief The newest checkpoint of the ModelCheckpoint among fit()'s callbacks (fit()'s "last"):
+  /// older ones are tried when it is unreadable, and training starts fresh when there is none yet,
+  /// so one program both starts and, rerun after a crash, continues.
+  static Resume last() { return Resume(Kind::last, {}); }
+  /// @brief A checkpoint file, or a directory of checkpoints (its newest readable one is used).
+  /// @throws trainloop::ConfigurationError for an empty path.
+  static Resume from(std::filesystem::path checkpoint) {
+    TRAINLOOP_CHECK(!checkpoint.empty(), "the path of Resume::from is empty; expected a checkpoint file or directory "
+                                         "(Resume::none() resumes nothing)");
+    return Resume(Kind::path, std::move(checkpoint));
+  }
+  /// @brief The same as none().
+  Resume() = default;
+
+  /// @brief True for none() (and a default Resume).
+  bool is_none() const { return kind_ == Kind::none; }
+  /// @brief True for last().
+  bool is_last() const { return kind_ == Kind::last; }
+  /// @brief The path of from(); empty for none() and last().
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  enum class Kind { none, last, path };
+  Resume(Kind kind, std::filesystem::path checkpoint) : kind_(kind), path_(std::move(checkpoint)) {}
+  Kind kind_ = Kind::none;
+  std::filesystem::path path_;
+};
+
+}  // namespace trainloop
 
 namespace trainloop::detail {
 
@@ -33,19 +75,25 @@ inline int restart_count() {
   return 0;
 }
 
-/// Turns fit()'s `resume` argument into candidates: "" nothing (unless the job was restarted:
-/// then "last" if a ModelCheckpoint is given, and nothing when it has no checkpoint yet);
-/// "last" the ModelCheckpoint's checkpoints, newest first (none yet: start fresh); a directory
-/// its checkpoints, newest first; anything else that one file.
+/// fit()'s string argument as a Resume: "" none, "last" last, anything else that path.
+inline Resume resume_of(const std::string& resume) {
+  if (resume.empty()) return Resume::none();
+  if (resume == "last") return Resume::last();
+  return Resume::from(resume);
+}
+
+/// Turns fit()'s `resume` argument into candidates: none() nothing (unless the job was restarted:
+/// then last() if a ModelCheckpoint is given, and nothing when it has no checkpoint yet);
+/// last() the ModelCheckpoint's checkpoints, newest first (none yet: start fresh); a directory
+/// its checkpoints, newest first; any other path that one file.
 /// `checkpoints` is the CheckpointSource among fit()'s callbacks (a ModelCheckpoint), or null.
-/// @throws trainloop::ConfigurationError for "last" without a CheckpointSource.
-inline ResumeSpec resolve_resume(const std::string& resume, const CheckpointSource* checkpoints) {
+/// @throws trainloop::ConfigurationError for last() without a CheckpointSource.
+inline ResumeSpec resolve_resume(const Resume& resume, const CheckpointSource* checkpoints) {
   ResumeSpec spec;
-  spec.description = resume;
-  std::string wanted = resume;
-  if (wanted.empty() && restart_count() > 0 && checkpoints != nullptr) wanted = "last";
-  if (wanted.empty()) return spec;
-  if (wanted == "last") {
+  spec.description = resume.path().string();
+  const bool last = resume.is_last() || (resume.is_none() && restart_count() > 0 && checkpoints != nullptr);
+  if (resume.is_none() && !last) return spec;
+  if (last) {
     TRAINLOOP_CHECK(checkpoints != nullptr, "fit() was asked to resume from \"last\" but no ModelCheckpoint is among "
                                             "its callbacks; expected one (its directory holds \"last\"), or a path");
     spec.candidates = checkpoints->candidates();
@@ -54,6 +102,7 @@ inline ResumeSpec resolve_resume(const std::string& resume, const CheckpointSour
     spec.description = (checkpoints->last_path()).string();
     return spec;
   }
+  const std::string wanted = resume.path().string();
   if (std::filesystem::is_directory(wanted)) {
     spec.candidates = checkpoint_candidates(wanted);
     spec.fall_back = true;
@@ -63,6 +112,11 @@ inline ResumeSpec resolve_resume(const std::string& resume, const CheckpointSour
   }
   spec.candidates = {wanted};
   return spec;
+}
+
+/// The same for fit()'s string argument ("", "last", or a path).
+inline ResumeSpec resolve_resume(const std::string& resume, const CheckpointSource* checkpoints) {
+  return resolve_resume(resume_of(resume), checkpoints);
 }
 
 /// Says on stderr (on the main process) that `resume` found no checkpoint yet and training starts
@@ -75,12 +129,18 @@ inline void say_fresh_start(const ResumeSpec& resume, bool is_main) {
 
 /// The same, finding the CheckpointSource among `components` (the last one given wins).
 template <class Components>
-ResumeSpec resolve_resume(const std::string& resume, const Components& components) {
+ResumeSpec resolve_resume(const Resume& resume, const Components& components) {
   const CheckpointSource* checkpoints = nullptr;
   for (const auto& component : components) {
     if (auto* found = dynamic_cast<const CheckpointSource*>(component.get())) checkpoints = found;
   }
   return resolve_resume(resume, checkpoints);
+}
+
+/// The same for fit()'s string argument.
+template <class Components>
+ResumeSpec resolve_resume(const std::string& resume, const Components& components) {
+  return resolve_resume(resume_of(resume), components);
 }
 
 }  // namespace trainloop::detail

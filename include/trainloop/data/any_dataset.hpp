@@ -12,6 +12,7 @@
 #include <optional>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace trainloop::data {
@@ -87,3 +88,25 @@ class AnyDataset {
 };
 
 }  // namespace trainloop::data
+
+namespace trainloop::detail {
+
+/// The Batch a dataset yields, as AnyDataset collates it: what TrainLoop's deduction guides take
+/// for the loop's Batch. A dataset without `get_batch(c10::ArrayRef<size_t>)` (a shared_ptr is
+/// looked through) gives torch::data::Example<>, and AnyDataset's own check then says what is wrong.
+template <class Dataset>
+struct dataset_batch {
+  using type = torch::data::Example<>;
+};
+template <class Dataset>
+  requires requires(Dataset& dataset, c10::ArrayRef<size_t> indices) { dataset.get_batch(indices); }
+struct dataset_batch<Dataset> {
+  using type = typename BatchCollate<decltype(std::declval<Dataset&>().get_batch(
+      std::declval<c10::ArrayRef<size_t>>()))>::type;
+};
+template <class Dataset>
+struct dataset_batch<std::shared_ptr<Dataset>> : dataset_batch<Dataset> {};
+template <class Dataset>
+using dataset_batch_t = typename dataset_batch<std::remove_cvref_t<Dataset>>::type;
+
+}  // namespace trainloop::detail
