@@ -7,8 +7,8 @@
 /// trainloop::ParameterGroups groups(*model, trainloop::models::fastai_split("resnet50"));
 /// torch::optim::AdamW optimizer(groups.optimizer_groups(torch::optim::AdamWOptions(2e-3)),
 ///                               torch::optim::AdamWOptions(2e-3));
-/// trainloop::TrainLoop<trainloop::models::ImageClassifier> loop(model, train, valid, optimizer, criterion);
-/// trainloop::fine_tune(loop, optimizer, groups, /*epochs=*/4, /*base_lr=*/2e-3);
+/// trainloop::TrainLoop loop(model, train, valid, optimizer, criterion);
+/// trainloop::fine_tune(loop, groups, /*epochs=*/4, /*base_lr=*/2e-3);  // the loop's optimizer
 /// @endcode
 ///
 /// What it does, step for step as fastai's (fastai/callback/schedule.py):
@@ -21,7 +21,8 @@
 ///     from base_lr / lr_mult (first group) to base_lr (the head).
 ///
 /// A function template over any loop with `fit(epochs, callbacks)`, not a TrainLoop member: it
-/// needs nothing of the loop but fit(), so it sits below train_loop.hpp in the include layers
+/// needs nothing of the loop but fit() (and optimizer(), when not given the optimizer), so it
+/// sits below train_loop.hpp in the include layers
 /// and works for every gpu_mode (under DDP each fit() is one launch, and a spawned rank reruns
 /// the same freeze and unfreeze, so every rank agrees on what is frozen).
 
@@ -75,6 +76,13 @@ concept FitLoop = requires(Loop& loop, int64_t epochs, const CallbackList& callb
   { loop.fit(epochs, callbacks) } -> std::convertible_to<History>;
 };
 
+/// @brief A loop that also says which optimizer it steps (`loop.optimizer()`, as TrainLoop does),
+/// so fine_tune() need not be given it.
+template <class Loop>
+concept FitLoopWithOptimizer = FitLoop<Loop> && requires(Loop& loop) {
+  { loop.optimizer() } -> std::convertible_to<torch::optim::Optimizer&>;
+};
+
 /// @brief fastai's fine_tune (see the file comment): a frozen one-cycle of freeze_epochs at
 /// slice(base_lr), then an unfrozen one-cycle of `epochs` at slice(base_lr / 2 / lr_mult, base_lr / 2).
 /// @param loop the loop (a TrainLoop, in any gpu_mode) training the model `groups` split
@@ -118,6 +126,15 @@ History fine_tune(Loop& loop, torch::optim::Optimizer& optimizer, const Paramete
   optimizer.state().clear();
   return fit_one_cycle(epochs, lr_range(LrSlice(unfrozen_lr / options.lr_mult(), unfrozen_lr), groups.size()),
                        unfrozen_cycle);
+}
+
+/// @brief fine_tune() with the optimizer the loop steps (TrainLoop::optimizer()):
+/// `fine_tune(loop, groups, 4, 2e-3)` does what `fine_tune(loop, optimizer, groups, 4, 2e-3)` does.
+/// The parameters are those of the overload that takes the optimizer.
+template <FitLoopWithOptimizer Loop>
+History fine_tune(Loop& loop, const ParameterGroups& groups, int64_t epochs, double base_lr = 2e-3,
+                  const FineTuneOptions& options = FineTuneOptions(), const CallbackList& callbacks = {}) {
+  return fine_tune(loop, loop.optimizer(), groups, epochs, base_lr, options, callbacks);
 }
 
 }  // namespace trainloop
