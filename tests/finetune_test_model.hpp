@@ -88,6 +88,7 @@ constexpr int64_t kFineTuneSamples = 48;  // 6 steps of 8 samples an epoch
 ///  - refreeze:  freeze, fit 1; unfreeze, fit 1; freeze_to(1), fit 1 (SGD momentum carries on)
 ///  - midfit:    freeze, fit 3 epochs with every group unfrozen at the start of epoch 2
 ///  - fine_tune: fine_tune(loop, optimizer, groups, 2 epochs, base_lr 0.1), freeze_epochs 1
+///  - fine_tune_loop_optimizer: the same with the loop's optimizer, fine_tune(loop, groups, ...)
 /// SGD with momentum and weight decay: a frozen parameter given any gradient (even zero) moves.
 template <class Mode>
 FineTuneRun run_finetune_scenario(const std::string& scenario, Mode mode, int64_t batch_size, bool batch_norm) {
@@ -117,6 +118,8 @@ FineTuneRun run_finetune_scenario(const std::string& scenario, Mode mode, int64_
     loop.fit(3, {run.recorder, std::make_shared<UnfreezeAtEpoch>(groups, 2)});
   } else if (scenario == "fine_tune") {
     tl::fine_tune(loop, optimizer, groups, 2, 0.1, tl::FineTuneOptions().freeze_epochs(1), {run.recorder});
+  } else if (scenario == "fine_tune_loop_optimizer") {
+    tl::fine_tune(loop, groups, 2, 0.1, tl::FineTuneOptions().freeze_epochs(1), {run.recorder});
   } else {
     throw std::runtime_error("unknown scenario " + scenario);
   }

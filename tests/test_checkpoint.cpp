@@ -181,6 +181,91 @@ BOOST_AUTO_TEST_CASE(a_crash_inside_an_epoch_resumes_from_the_step_checkpoint_ex
   require_same_history(history, reference);
 }
 
+// ---- The typed resume: Resume::last(), Resume::from(path) --------------------------------------
+
+BOOST_AUTO_TEST_CASE(resume_last_resumes_exactly_as_the_string_last) {
+  TempDir first_dir, second_dir, fresh_dir;
+  const auto checkpoints = [](const fs::path& dir) {
+    return std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir).keep_last(2));
+  };
+  Run uninterrupted(1, tl::gpu_mode::Single());
+  const auto reference = uninterrupted.loop.fit(4);
+  {
+    Run first(1, tl::gpu_mode::Single());  // "process 1": 2 epochs, a checkpoint after each
+    first.loop.fit(2, {checkpoints(first_dir.path)});
+  }
+  fs::copy(first_dir.path, second_dir.path, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  // "process 2", once with each form, each in its own copy of the checkpoints.
+  Run by_string(99, tl::gpu_mode::Single());
+  const auto string_history = by_string.loop.fit(2, {checkpoints(first_dir.path)}, "last");
+  Run typed(99, tl::gpu_mode::Single());
+  const auto typed_history = typed.loop.fit(2, {checkpoints(second_dir.path)}, tl::Resume::last());
+  BOOST_TEST(typed_history.epochs.size() == 4u);
+  BOOST_TEST(typed_history.total_steps == 32);  // 60 samples of 8: 8 steps an epoch
+  BOOST_TEST(torch::equal(typed.params(), by_string.params()));
+  BOOST_TEST(torch::equal(typed.params(), uninterrupted.params()));
+  BOOST_TEST(torch::equal(optimizer_state(typed.optimizer), optimizer_state(by_string.optimizer)));
+  require_same_history(typed_history, string_history);
+  require_same_history(typed_history, reference);
+
+  // A first start (no checkpoint yet) trains from scratch, as "last" does; FitLength takes it too.
+  Run fresh(1, tl::gpu_mode::Single());
+  const auto fresh_history = fresh.loop.fit(tl::FitLength::epochs(4), {checkpoints(fresh_dir.path)}, tl::Resume::last());
+  BOOST_TEST(torch::equal(fresh.params(), uninterrupted.params()));
+  require_same_history(fresh_history, reference);
+  BOOST_TEST(fs::exists(fresh_dir.path / "epoch=0004-step=000032.ckpt"));
+
+  // Without a ModelCheckpoint: the error of "last", word for word.
+  Run alone(1, tl::gpu_mode::Single());
+  const std::string string_error = error_of([&] { alone.loop.fit(1, {}, "last"); });
+  BOOST_TEST(error_of([&] { alone.loop.fit(1, {}, tl::Resume::last()); }) == string_error);
+  BOOST_TEST(string_error.find("no ModelCheckpoint is among its callbacks") != std::string::npos, string_error);
+  BOOST_TEST(tl::Resume().is_none());
+  BOOST_TEST(tl::Resume::none().is_none());
+  BOOST_TEST(tl::Resume::last().is_last());
+}
+
+BOOST_AUTO_TEST_CASE(resume_from_a_file_or_a_directory_resumes_as_its_path_string) {
+  TempDir dir;
+  Run two_epochs(1, tl::gpu_mode::Single());
+  two_epochs.loop.fit(2);
+  Run four_epochs(1, tl::gpu_mode::Single());
+  four_epochs.loop.fit(4);
+  {
+    Run first(1, tl::gpu_mode::Single());
+    first.loop.fit(2, {std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir.path).keep_last(2))});
+  }
+  // A file written inside the fit(2) call: fit(2) finishes that call (epoch 2 only).
+  const fs::path epoch_one = dir.path / "epoch=0001-step=000008.ckpt";
+  Run file_string(99, tl::gpu_mode::Single());
+  const auto file_string_history = file_string.loop.fit(2, {}, epoch_one.string());
+  Run file_typed(99, tl::gpu_mode::Single());
+  const auto file_typed_history = file_typed.loop.fit(2, {}, tl::Resume::from(epoch_one));
+  BOOST_TEST(file_typed_history.epochs.size() == 2u);
+  BOOST_TEST(file_typed_history.total_steps == 16);
+  BOOST_TEST(torch::equal(file_typed.params(), file_string.params()));
+  BOOST_TEST(torch::equal(file_typed.params(), two_epochs.params()));
+  require_same_history(file_typed_history, file_string_history);
+  // The directory: its newest checkpoint, written at the end of that call, so fit(2) trains 2 more.
+  Run directory_string(99, tl::gpu_mode::Single());
+  directory_string.loop.fit(2, {}, dir.path.string());
+  Run directory_typed(99, tl::gpu_mode::Single());
+  const auto directory_history = directory_typed.loop.fit(2, {}, tl::Resume::from(dir.path));
+  BOOST_TEST(directory_history.epochs.size() == 4u);
+  BOOST_TEST(directory_history.total_steps == 32);
+  BOOST_TEST(torch::equal(directory_typed.params(), directory_string.params()));
+  BOOST_TEST(torch::equal(directory_typed.params(), four_epochs.params()));
+  BOOST_TEST(tl::Resume::from(dir.path).path() == dir.path);
+
+  // The path `last` is a path, not the keyword; an empty path is an error.
+  Run other(99, tl::gpu_mode::Single());
+  const std::string not_keyword = error_of([&] { other.loop.fit(1, {}, tl::Resume::from("last")); });
+  BOOST_TEST(not_keyword.find("checkpoint last does not exist") != std::string::npos, not_keyword);
+  BOOST_TEST(error_of([] { (void)tl::Resume::from(""); }) ==
+             "trainloop: the path of Resume::from is empty; expected a checkpoint file or directory (Resume::none() "
+             "resumes nothing)");
+}
+
 // ---- ModelCheckpoint --------------------------------------------------------------------------
 
 BOOST_AUTO_TEST_CASE(model_checkpoint_keeps_the_last_k_and_best_k_and_last_points_at_the_newest) {

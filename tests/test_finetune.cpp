@@ -252,6 +252,19 @@ BOOST_AUTO_TEST_CASE(fine_tune_follows_fastais_learning_rates_per_group_and_free
   }
 }
 
+BOOST_AUTO_TEST_CASE(fine_tune_with_the_loops_own_optimizer_equals_fine_tune_given_it_bit_for_bit) {
+  const auto given = run_finetune_scenario("fine_tune", tl::gpu_mode::Single(), 8, true);
+  const auto own = run_finetune_scenario("fine_tune_loop_optimizer", tl::gpu_mode::Single(), 8, true);
+  // 1 frozen epoch and 2 unfrozen of 6 steps; the unfrozen phase's first rate of group 0 is
+  // 0.05 / 100 / div 5 = 1e-4, as in the test above.
+  BOOST_REQUIRE(own.recorder->learning_rates.size() == 18u);
+  BOOST_TEST(own.recorder->learning_rates[6][0] == 0.0001, boost::test_tools::tolerance(1e-12));
+  BOOST_TEST((own.recorder->learning_rates == given.recorder->learning_rates));
+  BOOST_TEST((own.recorder->momenta == given.recorder->momenta));
+  BOOST_TEST(torch::equal(own.state, given.state));
+  BOOST_TEST(!torch::equal(own.state, own.initial));
+}
+
 BOOST_AUTO_TEST_CASE(fine_tune_checks_its_arguments_before_freezing_anything) {
   torch::manual_seed(0);
   FineNet net;
@@ -259,6 +272,7 @@ BOOST_AUTO_TEST_CASE(fine_tune_checks_its_arguments_before_freezing_anything) {
   torch::optim::SGD plain(net->parameters(), torch::optim::SGDOptions(0.1));
   tl::TrainLoop<FineNet> loop(net, make_data(16, 1), {}, plain, torch::nn::CrossEntropyLoss());
   BOOST_TEST(contains(error_of([&] { tl::fine_tune(loop, plain, groups, 1); }), "the optimizer has 1 param groups"));
+  BOOST_TEST(contains(error_of([&] { tl::fine_tune(loop, groups, 1); }), "the optimizer has 1 param groups"));  // the loop's
   torch::optim::SGD grouped(groups.optimizer_groups(torch::optim::SGDOptions(0.1)), torch::optim::SGDOptions(0.1));
   BOOST_TEST(contains(error_of([&] { tl::fine_tune(loop, grouped, groups, 1, 1e-3, tl::FineTuneOptions().pct_start(1.0)); }),
                       "fine_tune pct_start is 1; expected a fraction in (0, 1)"));

@@ -123,6 +123,40 @@ BOOST_AUTO_TEST_CASE(a_model_with_its_own_loss_needs_no_criterion) {
   BOOST_TEST(history_without.last().train_loss < history_without.epochs.front().train_loss);
 }
 
+BOOST_AUTO_TEST_CASE(a_deduced_loop_takes_the_batch_type_from_its_dataset_with_and_without_a_criterion) {
+  // TrainLoop's deduction guides read PairBatch off PairDataset::get_batch: no template arguments.
+  const auto options = tl::TrainLoopOptions().batch_size(16).seed(4);
+  auto train = [&](auto net, auto make_loop) {
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto loop = make_loop(net, optimizer);
+    return std::pair{net->encoder->weight.clone(), loop.fit(3)};
+  };
+  torch::manual_seed(0);
+  auto [named, named_history] = train(OwnLossSiamese(), [&](OwnLossSiamese net, torch::optim::Optimizer& optimizer) {
+    return tl::TrainLoop<OwnLossSiamese, tl::gpu_mode::Single, PairBatch>(net, PairDataset(256), PairDataset(64),
+                                                                          optimizer, options);
+  });
+  torch::manual_seed(0);
+  auto [deduced, deduced_history] = train(OwnLossSiamese(), [&](OwnLossSiamese net, torch::optim::Optimizer& optimizer) {
+    return tl::TrainLoop(net, PairDataset(256), PairDataset(64), optimizer, options);  // no criterion
+  });
+  torch::manual_seed(0);
+  auto [with_criterion, criterion_history] = train(Siamese(), [&](Siamese net, torch::optim::Optimizer& optimizer) {
+    return tl::TrainLoop(net, std::make_shared<PairDataset>(256), PairDataset(64), optimizer, torch::nn::MSELoss(), options);
+  });
+  static_assert(std::is_same_v<decltype(tl::TrainLoop(std::declval<OwnLossSiamese&>(), PairDataset(1), {},
+                                                      std::declval<torch::optim::SGD&>(), options)),
+                               tl::TrainLoop<OwnLossSiamese, tl::gpu_mode::Single, PairBatch>>);
+  static_assert(std::is_same_v<decltype(tl::TrainLoop(std::declval<Siamese&>(), std::make_shared<PairDataset>(1), {},
+                                                      std::declval<torch::optim::SGD&>(), torch::nn::MSELoss())),
+                               tl::TrainLoop<Siamese, tl::gpu_mode::Single, PairBatch>>);
+  BOOST_TEST(torch::equal(deduced, named));
+  BOOST_TEST(torch::equal(with_criterion, named));  // batch_loss(batch) computes what MSELoss does
+  BOOST_TEST(deduced_history.last().train_loss == named_history.last().train_loss);
+  BOOST_TEST(criterion_history.validation_loss() == named_history.validation_loss());
+  BOOST_TEST(named_history.last().train_loss < named_history.epochs.front().train_loss);
+}
+
 BOOST_AUTO_TEST_CASE(a_batch_loss_that_calls_a_criterion_never_given_is_a_clear_error) {
   // Siamese's batch_loss(batch, criterion) calls the criterion: without one, fit() says so
   // instead of throwing std::bad_function_call.

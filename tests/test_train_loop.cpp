@@ -583,3 +583,159 @@ BOOST_AUTO_TEST_CASE(two_metrics_of_one_name_are_a_configuration_error_naming_bo
              message);
   BOOST_CHECK_NO_THROW(tl::TrainLoopOptions().metrics({std::make_shared<tl::Accuracy>(), std::make_shared<tl::TopKAccuracy>(5)}).validate());
 }
+
+// ---- The first program without ceremony: deduced loops, metrics by value, History's reads --------
+
+namespace {
+
+torch::Tensor all_parameters(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : module.parameters()) flat.push_back(p.detach().flatten());
+  return torch::cat(flat);
+}
+
+// What the deduction guides make of each form of model, mode and dataset (compile time).
+using ExampleBatch = torch::data::Example<>;
+static_assert(std::is_same_v<decltype(tl::TrainLoop(std::declval<Net&>(), blobs(1, 1), blobs(1, 1),
+                                                     std::declval<torch::optim::SGD&>(), torch::nn::CrossEntropyLoss())),
+                             tl::TrainLoop<Net, tl::gpu_mode::Single, ExampleBatch>>);
+static_assert(std::is_same_v<decltype(tl::TrainLoop(std::declval<torch::nn::Sequential>(),
+                                                     std::make_shared<tl::data::TensorDataset>(blobs(1, 1)), {},
+                                                     std::declval<torch::optim::Optimizer&>(), torch::nn::MSELoss(),
+                                                     tl::TrainLoopOptions(), tl::gpu_mode::parse("dp"))),
+                             tl::TrainLoop<torch::nn::Sequential, tl::gpu_mode::Any, ExampleBatch>>);
+static_assert(std::is_same_v<decltype(tl::TrainLoop(std::make_shared<NetImpl>(), tl::data::AnyDataset<>(blobs(1, 1)),
+                                                     blobs(1, 1), std::declval<torch::optim::Adam&>(),
+                                                     torch::nn::CrossEntropyLoss(), {},
+                                                     tl::gpu_mode::DataParallel::cpu_replicas(2))),
+                             tl::TrainLoop<NetImpl, tl::gpu_mode::DataParallel, ExampleBatch>>);
+
+/// Trains `net` with a loop made by `make_loop(net, optimizer)`, of type Loop, for 3 epochs; the
+/// History and the trained parameters.
+template <class Loop, class Model, class MakeLoop>
+std::pair<tl::History, torch::Tensor> train_three_epochs(Model net, MakeLoop make_loop) {
+  torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+  auto loop = make_loop(net, optimizer);
+  static_assert(std::is_same_v<decltype(loop), Loop>);
+  auto history = loop.fit(3);
+  return {history, all_parameters(*net)};
+}
+
+void require_same_epochs(const tl::History& a, const tl::History& b) {
+  BOOST_REQUIRE_EQUAL(a.epochs.size(), b.epochs.size());
+  for (size_t i = 0; i < a.epochs.size(); ++i) {
+    BOOST_TEST(a.epochs[i].train_loss == b.epochs[i].train_loss);  // bit for bit
+    BOOST_TEST((a.epochs[i].train_metrics == b.epochs[i].train_metrics));
+    BOOST_REQUIRE(a.epochs[i].validation.has_value() == b.epochs[i].validation.has_value());
+    if (a.epochs[i].validation) {
+      BOOST_TEST(a.epochs[i].validation->loss == b.epochs[i].validation->loss);
+      BOOST_TEST((a.epochs[i].validation->metrics == b.epochs[i].validation->metrics));
+    }
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_deduced_loop_trains_to_the_weights_of_the_named_one_bit_for_bit) {
+  const auto options = tl::TrainLoopOptions().batch_size(16).seed(5).metrics({tl::Accuracy()});
+  using Named = tl::TrainLoop<Net, tl::gpu_mode::Single, torch::data::Example<>>;
+  const auto [named_history, named] = train_three_epochs<Named>(seeded_net(11), [&](Net net, torch::optim::Optimizer& optimizer) {
+    return Named(net, blobs(96, 1), blobs(48, 2), optimizer, torch::nn::CrossEntropyLoss(), options);
+  });
+  const auto [deduced_history, deduced] = train_three_epochs<Named>(seeded_net(11), [&](Net net, torch::optim::Optimizer& optimizer) {
+    return tl::TrainLoop(net, blobs(96, 1), blobs(48, 2), optimizer, torch::nn::CrossEntropyLoss(), options);
+  });
+  // The run-time mode, from the argument; the model as a shared_ptr to its module.
+  const auto [parsed_history, parsed] =
+      train_three_epochs<tl::TrainLoop<Net, tl::gpu_mode::Any>>(seeded_net(11), [&](Net net, torch::optim::Optimizer& optimizer) {
+        return tl::TrainLoop(net, blobs(96, 1), blobs(48, 2), optimizer, torch::nn::CrossEntropyLoss(), options,
+                             tl::gpu_mode::parse("single"));
+      });
+  torch::manual_seed(11);  // what seeded_net(11) draws, into a plain module
+  const auto [shared_history, shared] = train_three_epochs<tl::TrainLoop<NetImpl>>(
+      std::make_shared<NetImpl>(), [&](std::shared_ptr<NetImpl> net, torch::optim::Optimizer& optimizer) {
+        return tl::TrainLoop(net, blobs(96, 1), blobs(48, 2), optimizer, torch::nn::CrossEntropyLoss(), options);
+      });
+  BOOST_TEST_MESSAGE("named loop: validation accuracy " << named_history.validation("accuracy") << ", "
+                                                        << named.numel() << " parameters");
+  BOOST_TEST(named_history.epochs.size() == 3u);
+  BOOST_TEST(named_history.validation("accuracy") > 0.5);  // it trained: chance is 1/3
+  for (const auto* other : {&deduced, &parsed, &shared}) BOOST_TEST(torch::equal(*other, named));
+  for (const auto* other : {&deduced_history, &parsed_history, &shared_history}) require_same_epochs(*other, named_history);
+}
+
+BOOST_AUTO_TEST_CASE(metrics_by_value_compute_what_shared_metrics_compute) {
+  tl::TopKAccuracy top2(2);
+  const auto by_value = tl::TrainLoopOptions().batch_size(16).seed(6).metrics({tl::Accuracy(), top2});
+  const auto shared = tl::TrainLoopOptions().batch_size(16).seed(6).metrics(
+      {std::make_shared<tl::Accuracy>(), std::make_shared<tl::TopKAccuracy>(2)});
+  const auto mixed = tl::TrainLoopOptions().batch_size(16).seed(6).metrics({tl::Accuracy(), std::make_shared<tl::TopKAccuracy>(2)});
+  // A metric by value is copied into the list; a shared_ptr is the caller's object.
+  BOOST_REQUIRE_EQUAL(by_value.metrics().size(), 2u);
+  BOOST_TEST(by_value.metrics()[0]->name() == "accuracy");
+  BOOST_TEST(by_value.metrics()[1]->name() == "top2_accuracy");
+  BOOST_TEST(by_value.metrics()[1].get() != static_cast<tl::Metric*>(&top2));
+  const auto mine = std::make_shared<tl::Accuracy>();
+  BOOST_TEST((tl::TrainLoopOptions().metrics({mine}).metrics()[0] == mine));
+  const std::vector<std::shared_ptr<tl::Metric>> as_vector{mine};
+  BOOST_TEST((tl::TrainLoopOptions().metrics(as_vector).metrics()[0] == mine));  // code written for the vector form
+
+  auto train = [](const tl::TrainLoopOptions& options) {
+    return train_three_epochs<tl::TrainLoop<Net>>(seeded_net(12), [&](Net net, torch::optim::Optimizer& optimizer) {
+      return tl::TrainLoop<Net>(net, blobs(96, 1), blobs(48, 2), optimizer, torch::nn::CrossEntropyLoss(), options);
+    });
+  };
+  const auto [shared_history, shared_weights] = train(shared);
+  BOOST_TEST_MESSAGE("shared metrics: validation accuracy " << shared_history.validation("accuracy") << ", top-2 "
+                                                            << shared_history.validation("top2_accuracy"));
+  BOOST_TEST(shared_history.validation("top2_accuracy") >= shared_history.validation("accuracy"));
+  BOOST_TEST(shared_history.validation("top2_accuracy") > 0.8);
+  for (const auto* options : {&by_value, &mixed}) {
+    const auto [history, weights] = train(*options);
+    BOOST_TEST(torch::equal(weights, shared_weights));
+    require_same_epochs(history, shared_history);
+    BOOST_TEST(history.validation("top2_accuracy") == shared_history.validation("top2_accuracy"));
+    BOOST_TEST(history.train("accuracy") == shared_history.train("accuracy"));
+  }
+}
+
+BOOST_AUTO_TEST_CASE(history_reads_the_last_epoch_in_one_call_and_names_what_is_recorded) {
+  auto net = seeded_net(13);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop loop(net, blobs(40, 1), blobs(20, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                     tl::TrainLoopOptions().batch_size(10).metrics({tl::Accuracy(), tl::TopKAccuracy(2)}));
+  const tl::History history = loop.fit(2);
+  const tl::EpochRecord& last = history.epochs.at(1);
+  BOOST_TEST(history.validation("accuracy") == last.validation->metrics.at("accuracy"));
+  BOOST_TEST(history.validation("top2_accuracy") == last.validation->metrics.at("top2_accuracy"));
+  BOOST_TEST(history.train("accuracy") == last.train_metrics.at("accuracy"));
+  BOOST_TEST(history.validation_loss() == last.validation->loss);
+  BOOST_TEST(history.train_loss() == last.train_loss);
+
+  BOOST_TEST(error_of([&] { (void)history.validation("f1"); }) ==
+             "trainloop: validation metric 'f1' is not recorded; the last epoch has: accuracy, top2_accuracy");
+  BOOST_TEST(error_of([&] { (void)history.train("top5_accuracy"); }) ==
+             "trainloop: training metric 'top5_accuracy' is not recorded; the last epoch has: accuracy, top2_accuracy");
+
+  // No validation set: the validation reads say so; the training reads work.
+  auto plain_net = seeded_net(13);
+  torch::optim::SGD plain_optimizer(plain_net->parameters(), torch::optim::SGDOptions(0.1));
+  tl::TrainLoop plain(plain_net, blobs(40, 1), {}, plain_optimizer, torch::nn::CrossEntropyLoss(),
+                      tl::TrainLoopOptions().batch_size(10));
+  const tl::History without_validation = plain.fit(2);
+  const std::string no_validation = " is not recorded; the last epoch (2) ran no validation: expected a validation "
+                                    "dataset given to the TrainLoop, and an epoch that fit() finished (not one it "
+                                    "stopped inside)";
+  BOOST_TEST(error_of([&] { (void)without_validation.validation("accuracy"); }) ==
+             "trainloop: validation metric 'accuracy'" + no_validation);
+  BOOST_TEST(error_of([&] { (void)without_validation.validation_loss(); }) == "trainloop: validation loss" + no_validation);
+  BOOST_TEST(error_of([&] { (void)without_validation.train("accuracy"); }) ==
+             "trainloop: training metric 'accuracy' is not recorded; the last epoch has: no metric "
+             "(TrainLoopOptions::metrics is empty)");
+  BOOST_TEST(without_validation.train_loss() == without_validation.epochs.at(1).train_loss);
+  BOOST_TEST(error_of([] { (void)tl::History().train_loss(); }) ==
+             "trainloop: training loss is not recorded: the History has no epoch; expected one trained by fit()");
+  BOOST_TEST(error_of([] { (void)tl::History().validation("accuracy"); }) ==
+             "trainloop: validation metric 'accuracy' is not recorded: the History has no epoch; expected one "
+             "trained by fit()");
+}
