@@ -12,13 +12,15 @@
 /// serialization/operator_policy.hpp.
 ///
 /// Which intermediate values are alive: each is released after its last use, so a forward holds
-/// what autograd saved and little else.
+/// what autograd saved and little else. A compiled node, running it and that plan:
+/// serialization/graph_step.hpp.
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/export_arguments.hpp>
 #include <trainloop/serialization/export_graph.hpp>
 #include <trainloop/serialization/eval_mode_switch.hpp>
 #include <trainloop/serialization/exported_input_sizes.hpp>
+#include <trainloop/serialization/graph_step.hpp>
 #include <trainloop/serialization/operator_policy.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/symbolic_ints.hpp>
@@ -26,9 +28,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
-#include <cstdint>
 #include <map>
-#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -56,7 +56,7 @@ class GraphProgram {
     }
     for (const auto& node : graph.nodes) steps_.push_back(compile(node));
     output_slot_ = slot_of(graph.output, "its output");
-    plan_releases();
+    plan_releases(steps_, slot_count_, output_slot_, program_);
   }
 
   /// The program, for messages ("<file>'s program 'model'").
@@ -87,8 +87,8 @@ class GraphProgram {
         if (eval) {
           for (const auto& [index, value] : step.eval_arguments) stack[index] = value;
         }
-        call(step, stack);
-        for (size_t r = 0; r < step.outputs.size() && r < stack.size(); ++r) store(step.outputs[r], stack[r], values);
+        step.call(stack, program_);
+        for (size_t r = 0; r < step.outputs.size() && r < stack.size(); ++r) step.outputs[r].store(stack[r], values, program_);
       }
       for (int slot : step.release) values[static_cast<size_t>(slot)] = c10::IValue();
     }
@@ -96,26 +96,8 @@ class GraphProgram {
   }
 
  private:
-  /// What a step is: a dispatcher call, or a symbolic-int computation done here.
-  enum class StepKind { Operator, SymSize, SymNumel, SymStride, SymStorageOffset, IntArithmetic };
-
-  /// Where a return value goes: one slot, or a list's elements (Tensor[] returns).
-  struct OutputTarget {
-    std::vector<int> slots;  ///< empty: unused; one: the value; several (or list=true): the list's elements
-    bool list = false;       ///< the return is a list
-  };
-
-  struct Step {
-    StepKind kind = StepKind::Operator;
-    std::string node, target;
-    std::optional<c10::OperatorHandle> op;
-    std::string arithmetic;                                    // for IntArithmetic: "mul", "add", ...
-    std::vector<ArgumentRecipe> arguments;
-    std::vector<std::pair<size_t, c10::IValue>> eval_arguments;  // replaced in eval mode
-    bool skip_in_eval = false;
-    std::vector<OutputTarget> outputs;
-    std::vector<int> release;                                  // slots last used here
-  };
+  using StepKind = GraphStep::Kind;
+  using Step = GraphStep;
 
   int define(const std::string& name) {
     if (!slots_.emplace(name, static_cast<int>(slot_count_)).second) {
@@ -270,82 +252,6 @@ class GraphProgram {
                                                       " arguments; expected ", arguments));
     }
     compile_outputs(step, node, 1, where);
-  }
-
-  /// Releases each slot after its last use (never the output).
-  void plan_releases() {
-    std::vector<int> last(slot_count_, -1);
-    for (size_t s = 0; s < steps_.size(); ++s) {
-      for (const auto& argument : steps_[s].arguments) {
-        if (argument.slot >= 0) last[static_cast<size_t>(argument.slot)] = static_cast<int>(s);
-        for (int slot : argument.slots) {
-          if (slot >= 0) last[static_cast<size_t>(slot)] = static_cast<int>(s);
-        }
-      }
-      for (const auto& output : steps_[s].outputs) {
-        for (int slot : output.slots) {
-          if (last[static_cast<size_t>(slot)] < 0) last[static_cast<size_t>(slot)] = static_cast<int>(s);  // unused: free at once
-          if (steps_[s].skip_in_eval && used_later(slot, s)) {
-            throw CheckpointError(trainloop::detail::concat("trainloop: ", program_, " node ", quote_untrusted(steps_[s].node),
-                                                            " is skipped in eval mode but its result is used later"));
-          }
-        }
-      }
-    }
-    for (size_t slot = 0; slot < slot_count_; ++slot) {
-      if (last[slot] >= 0 && static_cast<int>(slot) != output_slot_) steps_[static_cast<size_t>(last[slot])].release.push_back(static_cast<int>(slot));
-    }
-  }
-
-  bool used_later(int slot, size_t after) const {
-    for (size_t s = after + 1; s < steps_.size(); ++s) {
-      for (const auto& argument : steps_[s].arguments) {
-        if (argument.slot == slot) return true;
-        for (int used : argument.slots) {
-          if (used == slot) return true;
-        }
-      }
-    }
-    return slot == output_slot_;
-  }
-
-  void call(const Step& step, std::vector<c10::IValue>& stack) const {
-    if (step.kind == StepKind::Operator) {
-      try {
-        step.op->callBoxed(stack);
-      } catch (c10::Error& error) {
-        error.add_context(trainloop::detail::concat("trainloop: while running node ", step.node, " (", step.target, ") of ", program_));
-        throw;
-      }
-      return;
-    }
-    if (step.kind == StepKind::IntArithmetic) {
-      stack = {symbolic_int_operation(step.arithmetic, stack)};
-      return;
-    }
-    const auto& tensor = stack[0].toTensor();
-    int64_t result = 0;
-    if (step.kind == StepKind::SymNumel) {
-      result = tensor.numel();
-    } else if (step.kind == StepKind::SymStorageOffset) {
-      result = tensor.storage_offset();
-    } else {
-      const int64_t dim = c10::maybe_wrap_dim(stack[1].toInt(), tensor.dim());
-      result = step.kind == StepKind::SymSize ? tensor.size(dim) : tensor.stride(dim);
-    }
-    stack = {c10::IValue(result)};
-  }
-
-  void store(const OutputTarget& target, c10::IValue& value, std::vector<c10::IValue>& values) const {
-    if (target.slots.empty()) return;
-    if (!target.list) {
-      values[static_cast<size_t>(target.slots[0])] = std::move(value);
-      return;
-    }
-    const auto list = value.toTensorList();
-    TORCH_CHECK(list.size() == target.slots.size(), "trainloop: ", program_, ": an operator returned ", list.size(),
-                " tensors where the graph names ", target.slots.size());
-    for (size_t i = 0; i < target.slots.size(); ++i) values[static_cast<size_t>(target.slots[i])] = list.get(i);
   }
 
   std::string program_;
