@@ -369,7 +369,7 @@ BOOST_AUTO_TEST_CASE(gpu_mode_parse_names_the_valid_modes) {
   BOOST_TEST(tl::gpu_mode::parse("dp").name() == "dp");
   BOOST_TEST(tl::gpu_mode::parse("ddp").name() == "ddp");
   auto unknown = error_of([] { tl::gpu_mode::parse("gpu"); });
-  BOOST_TEST(unknown == "trainloop: unknown gpu mode 'gpu'; expected one of: single, dp, ddp");
+  BOOST_TEST(unknown == "trainloop: unknown gpu mode 'gpu'; expected one of: single, dp, ddp, fsdp");
 }
 
 BOOST_AUTO_TEST_CASE(a_run_time_mode_trains_like_the_compile_time_one) {
