@@ -24,13 +24,13 @@ torch::Tensor train(const std::filesystem::path& dir, int64_t crash_at = 0) {
   const torch::Tensor y = (x.sum(1) > 0).to(torch::kLong);
   torch::nn::Sequential net(torch::nn::Linear(8, 32), torch::nn::ReLU(), torch::nn::Dropout(0.2), torch::nn::Linear(32, 2));
   torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
-  tl::TrainLoop<torch::nn::Sequential> loop(net, tl::data::TensorDataset(x, y), {}, optimizer,
-                                            torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(32));
+  tl::TrainLoop loop(net, tl::data::TensorDataset(x, y), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                     tl::TrainLoopOptions().batch_size(32));
 
   auto checkpoints = std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(dir).every_n_epochs(1).keep_last(2));
   tl::CallbackList callbacks{checkpoints};
   if (crash_at > 0) callbacks.push_back(std::make_shared<Crash>(crash_at));
-  loop.fit(4, callbacks, "last");  // "last": the newest checkpoint in dir; none yet: start fresh
+  loop.fit(4, callbacks, tl::Resume::last());  // the newest checkpoint in dir; none yet: start fresh
   return torch::nn::utils::parameters_to_vector(net->parameters()).detach();
 }
 

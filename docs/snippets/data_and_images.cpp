@@ -44,11 +44,10 @@ int main() {
   torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3)), torch::nn::ReLU(),
                             torch::nn::AdaptiveAvgPool2d(1), torch::nn::Flatten(), torch::nn::Linear(8, 2));
   torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
-  tl::TrainLoop<torch::nn::Sequential> loop(
-      net, images, {}, optimizer, torch::nn::CrossEntropyLoss(),
-      tl::TrainLoopOptions().batch_size(16).num_workers(2).metrics({std::make_shared<tl::Accuracy>()}));
+  tl::TrainLoop loop(net, images, {}, optimizer, torch::nn::CrossEntropyLoss(),
+                     tl::TrainLoopOptions().batch_size(16).num_workers(2).metrics({tl::Accuracy()}));
   const tl::History history = loop.fit(3);
-  std::cout << "training accuracy after 3 epochs: " << history.last().train_metrics.at("accuracy") << '\n';
+  std::cout << "training accuracy after 3 epochs: " << history.train("accuracy") << '\n';
   fs::remove_all(root);
   return 0;
 }

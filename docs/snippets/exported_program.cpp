@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   const torch::Tensor x = torch::randn({64, 3, 64, 64});
   const torch::Tensor y = torch::randint(0, 10, {64});
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
-  tl::TrainLoop<tl::interop::ExportedProgram, tl::gpu_mode::Any> loop(
+  tl::TrainLoop loop(  // TrainLoop<tl::interop::ExportedProgram, tl::gpu_mode::Any>
       model, tl::data::TensorDataset(x, y, 10), {}, optimizer, torch::nn::CrossEntropyLoss(),
       tl::TrainLoopOptions().batch_size(24), tl::gpu_mode::parse(argc > 2 ? argv[2] : "single"));
   loop.fit(2);  // 64 samples in batches of 24: the last batch of each epoch has 16 (a dynamic batch)

@@ -18,13 +18,12 @@ int main(int argc, char** argv) {
   torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
 
   const std::string mode = argc > 1 ? argv[1] : "single";  // "single", "dp" or "ddp"
-  tl::TrainLoop<torch::nn::Sequential, tl::gpu_mode::Any> loop(
-      net, train, valid, optimizer, torch::nn::CrossEntropyLoss(),
-      tl::TrainLoopOptions().batch_size(32).metrics({std::make_shared<tl::Accuracy>()}), tl::gpu_mode::parse(mode));
+  tl::TrainLoop loop(net, train, valid, optimizer, torch::nn::CrossEntropyLoss(),
+                     tl::TrainLoopOptions().batch_size(32).metrics({tl::Accuracy()}), tl::gpu_mode::parse(mode));
   const tl::History history = loop.fit(3);  // `net` holds the trained weights afterwards, in every mode
 
   if (tl::is_main_process()) {
-    std::cout << mode << ": validation accuracy " << history.last().validation->metrics.at("accuracy") << '\n';
+    std::cout << mode << ": validation accuracy " << history.validation("accuracy") << '\n';
   }
   return 0;
 }

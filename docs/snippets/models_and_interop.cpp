@@ -19,9 +19,9 @@ int main() {
   tl::ParameterGroups groups(*model, tl::models::fastai_split("resnet18"));  // stem | layer3-4 | fc
   torch::optim::AdamW optimizer(groups.optimizer_groups(torch::optim::AdamWOptions(2e-3)),
                                 torch::optim::AdamWOptions(2e-3));
-  tl::TrainLoop<tl::models::ImageClassifier> loop(model, tl::data::TensorDataset(x, y, 4), {}, optimizer,
-                                                  torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(16));
-  tl::fine_tune(loop, optimizer, groups, /*epochs=*/1, /*base_lr=*/2e-3);  // an epoch with the body frozen, then one more
+  tl::TrainLoop loop(model, tl::data::TensorDataset(x, y, 4), {}, optimizer, torch::nn::CrossEntropyLoss(),
+                     tl::TrainLoopOptions().batch_size(16));
+  tl::fine_tune(loop, groups, /*epochs=*/1, /*base_lr=*/2e-3);  // an epoch with the body frozen, then one more
 
   // A file Python reads: model.load_state_dict(torch.load(path, weights_only=True)).
   const auto path = std::filesystem::temp_directory_path() / "trainloop-docs-resnet18.pt";

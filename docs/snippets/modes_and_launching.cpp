@@ -20,9 +20,9 @@ int main() {
   torch::nn::Sequential net(torch::nn::Linear(8, 64), torch::nn::ReLU(), torch::nn::Linear(64, 2));
   torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
 
-  tl::TrainLoop<torch::nn::Sequential, DDP> loop(
+  tl::TrainLoop loop(  // TrainLoop<torch::nn::Sequential, DDP>: the mode's type is the loop's
       net, train, valid, optimizer, torch::nn::CrossEntropyLoss(),
-      tl::TrainLoopOptions().batch_size(32).metrics({std::make_shared<tl::Accuracy>()}),  // batch per rank
+      tl::TrainLoopOptions().batch_size(32).metrics({tl::Accuracy()}),  // batch per rank
       DDP()
           .procs_per_node(2)                                      // ranks this program starts (spawn mode)
           .device_type(torch::kCPU)                               // Gloo; CUDA ranks use NCCL
@@ -33,7 +33,7 @@ int main() {
   // Spawn mode: this runs once, in your process, with the trained weights in `net`. Under a
   // launcher it runs on every rank: print on one.
   if (tl::is_main_process()) {
-    std::cout << "validation accuracy " << history.last().validation->metrics.at("accuracy") << '\n';
+    std::cout << "validation accuracy " << history.validation("accuracy") << '\n';
   }
   return 0;
 }
