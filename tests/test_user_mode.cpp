@@ -25,24 +25,13 @@ struct SplitBatches {
   int64_t parts = 3;
 };
 
+/// A one-process engine: the identity members (rank 0 of 1, collectives of one) are OneProcessEngine's.
 template <class Module>
-class SplitEngine {
+class SplitEngine : public tl::OneProcessEngine {
  public:
   SplitEngine(const SplitBatches& mode, std::shared_ptr<Module> module) : parts_(mode.parts), module_(std::move(module)) {}
-  bool is_main() const { return true; }
-  int64_t rank() const { return 0; }
-  int64_t world_size() const { return 1; }
-  torch::Device device() const { return torch::kCPU; }
-  tl::DataShard data_shard() const { return {}; }
-  void all_reduce_sum(torch::Tensor&) {}
-  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
-  bool any_rank(bool flag) { return flag; }
-  void barrier() {}
-  void prepare() {}
-  void begin_fit(torch::optim::Optimizer&) {}
-  void end_fit() noexcept {}
-  void before_optimizer_step() {}
-  void after_optimizer_step() {}
+  /// How many chunks each micro-batch is run as (read by the flags test).
+  int64_t parts() const { return parts_; }
 
   template <class Batch, class Forward, class Sink>
   void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool, Sink&& sink) {
@@ -73,6 +62,11 @@ class SplitEngine {
 
 using Modes = tl::gpu_mode::AnyOf<tl::gpu_mode::Single, tl::gpu_mode::DataParallel,
                                   tl::gpu_mode::DistributedDataParallel, SplitBatches>;
+
+/// The flags of "split" (mode_from_flags finds it beside SplitBatches): `--parts N` in ModeFlags::extra.
+void apply_mode_flags(SplitBatches& mode, const tl::ModeFlags& flags) {
+  if (auto parts = flags.extra.find("parts"); parts != flags.extra.end()) mode.parts = std::stoll(parts->second);
+}
 
 struct Blobs {
   torch::Tensor x, y;
@@ -122,6 +116,29 @@ BOOST_AUTO_TEST_CASE(a_mode_defined_in_a_test_file_trains_through_the_run_time_s
     BOOST_FAIL("an unknown mode name was accepted");
   } catch (const tl::ConfigurationError& error) {
     BOOST_TEST(std::string(error.what()).find("unknown gpu mode 'zero'; expected one of: single, dp, ddp, split") !=
+               std::string::npos);
+  }
+}
+
+// mode_from_flags chooses a user's mode by name among the modes given, and sets it up with the
+// user's apply_mode_flags; the built-in modes keep theirs, and the shared checks still apply.
+BOOST_AUTO_TEST_CASE(mode_from_flags_chooses_and_sets_up_a_users_mode) {
+  tl::ModeFlags flags;
+  flags.gpu_mode = "split";
+  flags.extra["parts"] = "4";
+  const Modes chosen = tl::mode_from_flags<Modes>(flags);
+  BOOST_TEST(chosen.name() == "split");
+  BOOST_TEST(std::get<SplitBatches>(chosen.get()).parts == 4);
+  flags.gpu_mode = "single";
+  flags.device = "cpu";
+  BOOST_TEST(std::get<tl::gpu_mode::Single>(tl::mode_from_flags<Modes>(flags).get()).device() == torch::Device("cpu"));
+  flags.gpu_mode = "split";
+  flags.comm_hook = "fp16";
+  try {
+    tl::mode_from_flags<Modes>(flags);
+    BOOST_FAIL("a comm hook was accepted with a user's one-process mode");
+  } catch (const tl::ConfigurationError& error) {
+    BOOST_TEST(std::string(error.what()).find("comm hook is 'fp16' with gpu mode 'split'; expected gpu mode ddp") !=
                std::string::npos);
   }
 }

@@ -3,8 +3,8 @@
 /// @brief The interface between the loop and a gpu_mode: the only code that knows about devices,
 /// replicas, ranks and collectives.
 ///
-/// Each policy type (gpu_mode::Single, gpu_mode::DataParallel, gpu_mode::DistributedDataParallel) names an
-/// engine class template, `Policy::engine<Module>`, that the loop instantiates for the model's
+/// Each policy type (gpu_mode::Single, gpu_mode::DataParallel, gpu_mode::DistributedDataParallel,
+/// gpu_mode::FullyShardedDataParallel, or a user's) names an engine class template, `Policy::engine<Module>`, that the loop instantiates for the model's
 /// module type. The loop, metrics and callbacks talk to the engine only through the members
 /// checked by the ModeEngine concept below:
 ///
@@ -27,9 +27,16 @@
 /// | eval_batch(batch, fwd, sink)             | forward without gradients                                        |
 ///
 /// A mode may also define optional members (optimizer_step for the whole step,
-/// train_without_samples for exact uneven batches, gradients_agree, clip_grad_norm,
-/// step_optimizer, zero_grad, save_optimizer_state, load_optimizer_state, run_fit):
-/// engine/optional_members.hpp lists every one with what the loop does without it.
+/// train_without_samples for exact uneven batches, gradients_agree, stepped_parameters,
+/// clip_grad_norm, step_optimizer, zero_grad, save_optimizer_state, load_optimizer_state,
+/// unshard_parameters, run_fit): engine/optional_members.hpp lists every one with what the loop
+/// does without it.
+///
+/// A mode that trains in one process derives its engine from OneProcessEngine
+/// (engine/one_process_engine.hpp), which holds every identity member of the table (rank 0 of 1,
+/// collectives that return their input, nothing to prepare or finish), and writes only its real
+/// work: device(), train_micro_batch and eval_batch (docs/snippets/extending.cpp: a whole mode in
+/// 44 lines). The multi-process modes share theirs in gpu_mode/rank_engine.hpp.
 ///
 /// Why prepare() is separate from fit: evaluate() and predict() before the first fit() must see
 /// the model where training would put it (on the GPU, in the process group, replicated), or they
