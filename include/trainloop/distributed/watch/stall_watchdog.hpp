@@ -15,28 +15,33 @@
 ///   StallAction::Fail it ends as a failed rank does, and the waiting ranks, seeing its verdict in
 ///   the store, end too (so srun and mpirun, which may wait for every task, end at once).
 /// Nothing runs per step: the loop only sets the beacon's atomics. The store is met through a
-/// WatchBoard (watch_board.hpp), the reports worded in stall_report.hpp. Outside fit, evaluate and predict (phase idle) nothing is judged a stall: a rank working alone
-/// before a barrier is a program's choice. Desyncs are judged everywhere.
+/// WatchBoard (watch_board.hpp), a rank's own record made by its ProgressClock
+/// (progress_clock.hpp), the reports worded in stall_report.hpp, and a desync that a backend
+/// reports by ending the process named through a TerminateHook (terminate_hook.hpp). Outside fit,
+/// evaluate and predict (phase idle) nothing is judged a stall: a rank working alone before a
+/// barrier is a program's choice. Desyncs are judged everywhere.
 
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/failure_report.hpp>
 #include <trainloop/distributed/launch/spawned_rank.hpp>
+#include <trainloop/distributed/watch/progress_clock.hpp>
 #include <trainloop/distributed/watch/rank_record.hpp>
 #include <trainloop/distributed/watch/stall_judgement.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
 #include <trainloop/distributed/watch/stall_report.hpp>
+#include <trainloop/distributed/watch/terminate_hook.hpp>
 #include <trainloop/distributed/watch/watch_board.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 #include <trainloop/progress/thread_stack.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <exception>
+#include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,26 +62,22 @@ class StallWatchdog {
   /// @param env who this rank is (for the launcher's failure files)
   /// @param options when a rank is stalled, and what happens then
   StallWatchdog(const ProcessGroupOptions& group_options, RankEnv env, StallWatchOptions options)
-      : env_(std::move(env)), options_(options), timeout_(group_options.timeout), rank_(group_options.rank),
-        world_size_(group_options.world_size), board_(group_options) {
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    host_ = host;
+      : env_(std::move(env)), options_(options), rank_(group_options.rank), world_size_(group_options.world_size),
+        own_(group_options.rank, options, group_options.timeout), board_(group_options) {
     progress::install_stack_capture();
     progress::progress_beacon().collectives().set_failure_explainer(
         [this](std::uint64_t seq) { return explain_failed_collective(seq); });
     thread_ = std::thread([this] { run(); });
     // A backend that finds a mismatch in its own thread (Gloo: "Received data size doesn't match")
     // ends the process through std::terminate: name the desync there too.
-    instance() = this;
-    previous_terminate() = std::set_terminate(&StallWatchdog::on_terminate);
+    terminate_hook_.emplace([this](const std::string& backend_error) { on_backend_terminate(backend_error); },
+                            thread_.get_id());
   }
   StallWatchdog(const StallWatchdog&) = delete;
   StallWatchdog& operator=(const StallWatchdog&) = delete;
   /// Stops and joins the thread.
   ~StallWatchdog() {
-    std::set_terminate(previous_terminate());
-    instance() = nullptr;
+    terminate_hook_.reset();
     progress::progress_beacon().collectives().set_failure_explainer({});
     {
       std::lock_guard<std::mutex> lock(stop_mutex_);
@@ -89,36 +90,15 @@ class StallWatchdog {
  private:
   using Clock = std::chrono::steady_clock;
 
-  static std::atomic<StallWatchdog*>& instance() {
-    static std::atomic<StallWatchdog*> watchdog{nullptr};
-    return watchdog;
-  }
-  static std::terminate_handler& previous_terminate() {
-    static std::terminate_handler handler = nullptr;
-    return handler;
-  }
-  /// An exception escaped a thread (or main): if the ranks called different collectives as this
-  /// rank's last one, that is the report; otherwise the handler that was there before.
-  static void on_terminate() {
-    StallWatchdog* self = instance().load();
-    // Not on the watchdog's own thread: it may hold the board's lock the explainer needs.
-    if (self != nullptr && std::current_exception() && std::this_thread::get_id() != self->thread_.get_id()) {
-      std::string backend_error = "an exception that is not a std::exception";
-      try {
-        std::rethrow_exception(std::current_exception());
-      } catch (const std::exception& error) {
-        backend_error = error.what();
-      } catch (...) {
-      }
-      const std::uint64_t seq = progress::progress_beacon().collectives().issued();
-      if (auto desync = progress::progress_beacon().collectives().explain_failure(seq)) {
-        self->act("trainloop: " + *desync + "\n  the backend ended rank " + std::to_string(self->rank_) +
-                      " with: " + backend_error.substr(0, backend_error.find('\n')),
-                  "trainloop::DesyncError", /*consequence=*/false);
-      }
+  /// An exception escaped a thread other than the watchdog's (TerminateHook): if the ranks called
+  /// different collectives as this rank's last one, that is the report.
+  void on_backend_terminate(const std::string& backend_error) {
+    const std::uint64_t seq = progress::progress_beacon().collectives().issued();
+    if (auto desync = progress::progress_beacon().collectives().explain_failure(seq)) {
+      act("trainloop: " + *desync + "\n  the backend ended rank " + std::to_string(rank_) +
+              " with: " + backend_error.substr(0, backend_error.find('\n')),
+          "trainloop::DesyncError", /*consequence=*/false);
     }
-    if (std::terminate_handler previous = previous_terminate()) previous();
-    std::abort();
   }
 
   /// The period: a tenth of the limit, between 0.2 and 1 s.
@@ -146,41 +126,6 @@ class StallWatchdog {
     }
   }
 
-  /// This rank's record now (its stale_seconds: how long it has made no progress by its own measure).
-  RankRecord own_record() {
-    progress::ProgressBeacon& beacon = progress::progress_beacon();
-    const progress::ProgressSnapshot s = beacon.snapshot();
-    const progress::CollectiveLog::Waiting waiting = beacon.collectives().waiting();
-    const auto now = Clock::now();
-    // Waiting in a collective is not a stall of this rank: the clock of no progress restarts.
-    if (s.progress != last_progress_ || !progress_seen_ || waiting.seq != 0) {
-      last_progress_ = s.progress;
-      progress_seen_ = true;
-      progress_since_ = now;
-      if (waiting.seq == 0) reported_ = false;
-    }
-    RankRecord r;
-    r.rank = rank_;
-    r.pid = static_cast<long>(::getpid());
-    r.host = host_;
-    r.tick = ++tick_;
-    const bool judged = waiting.seq == 0 && s.phase != progress::Phase::Idle && s.phase != progress::Phase::RankZeroFirst;
-    r.stale_seconds = judged ? std::chrono::duration<double>(now - progress_since_).count() : 0.0;
-    r.limit_seconds = options_.limit_for(progress::is_checkpoint_phase(s.phase), s.steps_timed, s.slowest_step_seconds, timeout_);
-    r.epoch = s.epoch;
-    r.step = s.global_step;
-    r.batch = s.batch;
-    r.batches = s.batches;
-    r.phase = s.phase;
-    r.detail = s.detail;
-    r.issued = beacon.collectives().issued();
-    r.waiting_seq = waiting.seq;
-    r.waiting_what = waiting.what;
-    r.waiting_seconds = waiting.seconds;
-    r.calls = beacon.collectives().recent(RankRecord::kCalls);
-    return r;
-  }
-
   /// Every rank's record — at most once per period x max(2, world size / 64): while ranks wait or
   /// stall each reads all records, which must not swamp the store of a large job. Nothing between.
   std::optional<std::vector<RankRecord>> read_all(const RankRecord& own) {
@@ -206,7 +151,7 @@ class StallWatchdog {
     RankRecord own;
     {
       std::lock_guard<std::mutex> lock(tick_mutex_);
-      own = own_record();
+      own = own_.record();
     }
     const double stale = own.stale_seconds;
     board_.publish(own);
@@ -223,14 +168,14 @@ class StallWatchdog {
         stale >= 2.0 * period_seconds()) {
       if (auto verdict = board_.verdict()) return follow_verdict(*verdict);
     }
-    if (stale >= limit && !reported_) {
+    if (stale >= limit && !own_.reported()) {
       if (auto records = read_all(own)) judge_own_stall(own, *records);
       return;
     }
     if (own.waiting_seq != 0 && own.waiting_seconds >= limit) {
       // Keep the others' ticks in view from here on, to tell a frozen rank from a busy one.
       const auto records = read_all(own);
-      if (records && own.waiting_seconds >= 2.0 * limit + 5.0 && !reported_) judge_from_outside(own, *records);
+      if (records && own.waiting_seconds >= 2.0 * limit + 5.0 && !own_.reported()) judge_from_outside(own, *records);
     }
   }
 
@@ -240,7 +185,7 @@ class StallWatchdog {
   void judge_own_stall(const RankRecord& own, const std::vector<RankRecord>& records) {
     const auto waiting = ranks_waiting_for(own, records, world_size_);
     if (!waiting) return;
-    reported_ = true;
+    own_.mark_reported();
     act(stall_report(own, records, *waiting, thread_stacks_text(rank_, own.phase), options_.action),
         "trainloop::StallError", /*consequence=*/false);
   }
@@ -287,7 +232,7 @@ class StallWatchdog {
       return seen == ticks_seen_.end() ? 0.0 : std::chrono::duration<double>(now - seen->second.second).count();
     });
     if (!found) return;
-    reported_ = true;  // once (StallAction::Report goes on waiting)
+    own_.mark_reported();  // once (StallAction::Report goes on waiting)
     act(unresponsive_report(own, found->record, found->silent_seconds, options_.action), "trainloop::StallError",
         /*consequence=*/false);
   }
@@ -309,7 +254,7 @@ class StallWatchdog {
     RankRecord own;
     {
       std::lock_guard<std::mutex> lock(tick_mutex_);
-      own = own_record();
+      own = own_.record();
     }
     board_.publish(own);
     if (auto other = board_.find_other_call(rank_, world_size_, *mine, period())) {
@@ -320,18 +265,12 @@ class StallWatchdog {
 
   RankEnv env_;
   StallWatchOptions options_;
-  std::chrono::milliseconds timeout_;
   int rank_;
   int world_size_;
-  std::string host_;
+  // The watchdog thread's own view (the explainer takes tick_mutex_ to share own_.record()).
+  ProgressClock own_;
   WatchBoard board_;
   std::mutex tick_mutex_;
-  // The watchdog thread's own view (the explainer takes tick_mutex_ to share own_record()).
-  std::uint64_t tick_ = 0;
-  std::uint64_t last_progress_ = 0;
-  bool progress_seen_ = false;
-  Clock::time_point progress_since_{};
-  bool reported_ = false;
   bool desync_reported_ = false;
   std::optional<Clock::time_point> verdict_seen_;
   Clock::time_point last_read_all_{};
@@ -340,6 +279,7 @@ class StallWatchdog {
   std::condition_variable stop_changed_;
   bool stopping_ = false;
   std::thread thread_;
+  std::optional<TerminateHook> terminate_hook_;  // made once thread_ runs, removed first
 };
 
 /// Starts this rank's watchdog once per process (later calls do nothing): options from the mode,
