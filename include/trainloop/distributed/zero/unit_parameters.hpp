@@ -207,7 +207,16 @@ class UnitParameters final : public UnitUser {
     }
     try {
       const progress::CollectiveLabel label("parameters of unit", static_cast<int>(u), static_cast<int>(full_.size()));
-      group_.all_gather_into(own_chunks_[u], full_[u]);
+      if (group_.backend() == Backend::Gloo) {
+        // Gloo's allgather flattens into a fresh buffer of the whole unit and copies out of it: a
+        // page fault per 4 KiB of new memory and a copy, per gather. Each owner's broadcast lands
+        // in place in the unit's buffer instead (as ZeroOptimizerShard::broadcast_pieces does).
+        const int64_t chunk = layout_->unit_chunk(u);
+        full_[u].narrow(0, group_.rank() * chunk, chunk).copy_(own_chunks_[u]);
+        for (int r = 0; r < group_.world_size(); ++r) group_.broadcast(full_[u].narrow(0, r * chunk, chunk), r);
+      } else {
+        group_.all_gather_into(own_chunks_[u], full_[u]);  // NCCL gathers into the buffer itself
+      }
     } catch (...) {
       free_unit(u);  // nothing reads half-gathered values
       throw;
