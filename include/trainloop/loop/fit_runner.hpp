@@ -6,35 +6,31 @@
 /// an epoch is loop/epoch_trainer.hpp, a step engine/optimizer_step.hpp; what one fit() call owns
 /// is a FitRun (loop/fit_run.hpp).
 /// It continues from the loop's progress (a second fit() goes on with epoch 3, mid-epoch if the
-/// last one stopped there), resumes checkpoints exactly, and writes them.
+/// last one stopped there; loop/fit_call.hpp), resumes checkpoints exactly, and writes them
+/// (loop/checkpoint_io.hpp). What fit() checks first: loop/fit_inputs.hpp.
 
 #include <trainloop/callbacks/callback.hpp>
-#include <trainloop/checkpoint/checkpoint_file.hpp>
-#include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/loop_checkpoint.hpp>
-#include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/resume.hpp>
-#include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/data/any_dataset.hpp>
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/detail/stopwatch.hpp>
-#include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optional_members.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/loop/checkpoint_io.hpp>
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/epoch_trainer.hpp>
 #include <trainloop/loop/evaluation.hpp>
+#include <trainloop/loop/fit_call.hpp>
+#include <trainloop/loop/fit_inputs.hpp>
 #include <trainloop/loop/fit_run.hpp>
 #include <trainloop/loop/shard_indices.hpp>
-#include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/model_contract.hpp>
-#include <trainloop/nn/memory_format.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/precision/grad_scaler.hpp>
-#include <trainloop/precision/native_bf16.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 
 #include <torch/torch.h>
@@ -44,19 +40,12 @@
 #include <exception>
 #include <filesystem>
 #include <iostream>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace trainloop::detail {
-
-/// What a run is: the mode's name and the version stamped into checkpoints.
-struct RunIdentity {
-  std::string mode = "single";     ///< "single", "dp" or "ddp"
-  std::string trainloop_version;   ///< e.g. "0.2.0"
-};
 
 /// Runs fit(), evaluate(), predict() and checkpoints for one engine. Holds references to what the
 /// TrainLoop owns (the progress included) and, while fit() runs, that call's FitRun.
@@ -73,14 +62,14 @@ class FitRunner {
         criterion_(criterion),
         options_(options),
         progress_(progress),
-        identity_(std::move(identity)) {}
+        checkpoints_(module, optimizer, options, progress, std::move(identity)) {}
 
   /// Trains for `length` from where the loop stands, or, with `resume_from`, from a checkpoint
   /// (continuing the fit() call it was written in, or starting a new one of `length` if that
   /// call had finished). Returns the whole History so far.
   template <ModeEngine Engine>
   History fit(Engine& engine, const FitLength& length, const CallbackList& callbacks, const ResumeSpec& resume = {}) {
-    check_fit_inputs(engine, callbacks);
+    check_fit_inputs(engine, options_, train_, callbacks);
     // Where this process is, for the stall watchdog: setup until the first batch, idle after.
     progress::RegisteredThread training_thread(progress::progress_beacon().threads(), "training thread");
     progress::PhaseScope fit_phase(progress::Phase::Setup);
@@ -106,7 +95,7 @@ class FitRunner {
       });
     }
     const KeyedStates keyed = keyed_callbacks(callbacks);
-    start_fit_call(resume_checkpoint(engine, resume, keyed), length);
+    start_fit_call(progress_, options_.seed(), resume_checkpoint(engine, resume, keyed), length);
     FitRun& run = begin_run(engine, length, callbacks, keyed);
     progress::progress_beacon().set_global_step(progress_.global_step);
     std::exception_ptr error;
@@ -155,28 +144,7 @@ class FitRunner {
   template <ModeEngine Engine>
   void save_checkpoint(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path,
                        bool writes) {
-    progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
-    // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
-    const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
-    TrainingProgress snapshot = progress_;
-    if (run_ && run_->epoch_sums && progress_.mid_epoch()) {
-      snapshot.partial_totals = torch::stack(gather_rows(engine, run_->epoch_sums->packed_totals().to(torch::kCPU)));
-    }
-    CheckpointHeader header;
-    header.trainloop_version = identity_.trainloop_version;
-    header.mode = identity_.mode;
-    header.world_size = engine.world_size();
-    header.batch_size = options_.batch_size();
-    // A collective for a sharded mode (its ranks' shards); otherwise only the writer serializes.
-    unshard_parameters(engine);  // the model written whole
-    torch::serialize::OutputArchive optimizer_state;
-    save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
-    write_checkpoint_agreed(path, writes, [&engine](bool flag) { return engine.any_rank(flag); },
-                            [&] {
-                              // Written contiguous: any program loads the weights with torch::load.
-                              nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
-                              write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header);
-                            });
+    checkpoints_.save(engine, callbacks, path, writes, run_ && run_->epoch_sums ? &*run_->epoch_sums : nullptr);
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
@@ -184,59 +152,10 @@ class FitRunner {
   template <ModeEngine Engine>
   void load_checkpoint(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks,
                        bool restore_rng) {
-    progress::PhaseScope phase(progress::Phase::CheckpointRead, path.filename().string());
-    std::optional<torch::Device> device;
-    if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
-    CheckpointFile file(path, device);
-    // All or nothing: a checkpoint that does not fit leaves the loop as it was (checkpoint/restore.hpp).
-    progress_ = restore_checkpoint(file, module_, optimizer_, callbacks,
-                                   restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt,
-                                   engine_optimizer_loader(engine));
-    // The partial epoch's sums: with the world size that wrote them each rank continues its own;
-    // otherwise rank 0 continues their sum (the samples are re-sharded, the totals stay exact).
-    if (progress_.partial_totals.defined() && progress_.partial_totals.size(0) != engine.world_size()) {
-      progress_.partial_totals = progress_.partial_totals.sum(0, /*keepdim=*/true);
-      const int64_t per_step = options_.batch_size() * engine.world_size();
-      progress_.batches_into_epoch = static_cast<int64_t>(progress_.samples_into_epoch) / std::max<int64_t>(per_step, 1);
-    }
+    checkpoints_.load(engine, path, callbacks, restore_rng);
   }
 
  private:
-  /// What fit() checks before anything changes: the data, the callbacks, the precision.
-  template <ModeEngine Engine>
-  void check_fit_inputs(Engine& engine, const CallbackList& callbacks) const {
-    options_.validate();
-    TRAINLOOP_CHECK(train_.has_value(), "fit() needs a training dataset");
-    TRAINLOOP_CHECK(train_.size() > 0, "the training dataset is empty; expected at least one sample");
-    for (const auto& cb : callbacks) {
-      TRAINLOOP_CHECK(cb != nullptr, "a null callback was given to fit()");
-      TRAINLOOP_CHECK(is_example_batch_v<Batch> || !cb->needs_example_batches(), "callback ", cb->state_key(),
-                      " changes batches in on_train_batch, which runs for torch::data::Example<> batches; this loop's "
-                      "batches are ", readable_type_name<Batch>(), ". Expected Example batches for this callback");
-    }
-    TRAINLOOP_CHECK(options_.precision() != Precision::fp16 || engine.device().is_cuda(), "precision is fp16 and the model "
-                    "trains on ", engine.device().str(), "; expected a CUDA device for fp16 (use bf16 on the CPU)");
-    warn_if_bf16_is_emulated(options_.precision(), engine.device());
-  }
-
-  /// The progress's record of which fit() call runs: a new one unless a checkpoint of an
-  /// unfinished call was resumed; seeds the random streams on the loop's first fit.
-  void start_fit_call(bool resumed, const FitLength& length) {
-    if (!progress_.seeded) {  // the first fit of this loop; later ones continue the random stream
-      torch::manual_seed(options_.seed());
-      progress_.sampler_seed = options_.seed();
-      progress_.seeded = true;
-    }
-    if (!resumed || fit_call_finished()) {  // a new fit() call
-      progress_.fit_first_epoch = progress_.epochs_completed + 1;
-      progress_.fit_first_step = progress_.global_step;
-      progress_.fit_finished = false;
-    }
-    progress_.fit_epoch_count = length.epoch_count();
-    progress_.fit_step_count = length.iteration_count();
-    progress_.history.stop_reason.clear();
-  }
-
   /// Makes this call's FitRun: the epoch plan, the callbacks of this process, where the call
   /// ends, fp16's scaler, and the TrainState callbacks see.
   template <ModeEngine Engine>
@@ -252,19 +171,12 @@ class FitRunner {
       run.scaler.emplace(options_.grad_scaler());
       if (progress_.grad_scaler_state.defined()) run.scaler->load_state(progress_.grad_scaler_state);
     }
-    const int64_t accumulation = options_.grad_accumulation_steps();
-    const int64_t steps_per_epoch = (run.full_plan.batches() + accumulation - 1) / accumulation;
-    constexpr int64_t unbounded = std::numeric_limits<int64_t>::max();
-    run.end_step = length.iteration_count() > 0 ? progress_.fit_first_step + length.iteration_count() : unbounded;
-    // Fitting by iterations, only the step count ends the call; the epoch shown is an estimate.
-    run.end_epoch = length.epoch_count() > 0 ? progress_.fit_first_epoch - 1 + length.epoch_count() : unbounded;
-    TrainState& state = run.state;
-    state.planned_epochs = length.epoch_count() > 0 ? run.end_epoch
-                                                    : progress_.fit_first_epoch - 1 +
-                                                          (length.iteration_count() + steps_per_epoch - 1) / steps_per_epoch;
-    state.planned_steps = length.iteration_count() > 0
-                              ? length.iteration_count()
-                              : (run.end_epoch - progress_.fit_first_epoch + 1) * steps_per_epoch;
+    const FitCallBounds bounds =
+        fit_call_bounds(progress_, length, run.full_plan.batches(), options_.grad_accumulation_steps());
+    run.end_step = bounds.end_step;
+    run.end_epoch = bounds.end_epoch;
+    run.state.planned_epochs = bounds.planned_epochs;
+    run.state.planned_steps = bounds.planned_steps;
     describe_run(engine, run, keyed);
     return run;
   }
@@ -355,16 +267,6 @@ class FitRunner {
     });
   }
 
-  /// Whether the fit() call the progress records ran to its end: it said so, or it reached
-  /// the length it was asked for (a checkpoint written in its last epoch's on_epoch_end).
-  bool fit_call_finished() const {
-    if (progress_.fit_finished) return true;
-    if (progress_.fit_epoch_count > 0) {
-      return progress_.epochs_completed >= progress_.fit_first_epoch - 1 + progress_.fit_epoch_count;
-    }
-    return progress_.fit_step_count > 0 && progress_.global_step >= progress_.fit_first_step + progress_.fit_step_count;
-  }
-
   /// The plan of a whole epoch (its micro-batches, on every process).
   template <class Engine>
   EpochBatchPlan full_epoch_plan(const Engine& engine, const DataShard& shard) const {
@@ -385,7 +287,7 @@ class FitRunner {
   Criterion& criterion_;
   const TrainLoopOptions& options_;
   TrainingProgress& progress_;
-  RunIdentity identity_;
+  CheckpointIO<Module> checkpoints_;
   std::optional<FitRun> run_;  // the state of the fit() call running, while it runs
 };
 

@@ -1,0 +1,124 @@
+#pragma once
+/// @file
+/// @brief The loop's checkpoints, written and read through the mode's engine (engine/mode_engine.hpp):
+/// the whole model (unsharded, contiguous), the optimizer's state as the engine keeps it, the
+/// progress, the callbacks' states, and every rank's random stream and partial epoch sums,
+/// gathered to rank 0. Rank 0 writes and every rank agrees it did (checkpoint/loop_checkpoint.hpp);
+/// every rank reads the file itself, all or nothing (checkpoint/restore.hpp). The file's format is
+/// checkpoint/checkpoint_file.hpp's.
+
+#include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/checkpoint_reader.hpp>
+#include <trainloop/checkpoint/loop_checkpoint.hpp>
+#include <trainloop/checkpoint/restore.hpp>
+#include <trainloop/checkpoint/rng_state.hpp>
+#include <trainloop/checkpoint/stateful.hpp>
+#include <trainloop/checkpoint/training_progress.hpp>
+#include <trainloop/engine/gather_rows.hpp>
+#include <trainloop/engine/mode_engine.hpp>
+#include <trainloop/engine/optional_members.hpp>
+#include <trainloop/metrics/metric_accumulator.hpp>
+#include <trainloop/nn/memory_format.hpp>
+#include <trainloop/options.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainloop::detail {
+
+/// What a run is: the mode's name and the version stamped into checkpoints.
+struct RunIdentity {
+  std::string mode = "single";     ///< "single", "dp" or "ddp"
+  std::string trainloop_version;   ///< e.g. "0.2.0"
+};
+
+/// Writes the loop as it stands into a checkpoint, and loads one into it (see the file comment).
+/// Holds references to what the TrainLoop owns.
+template <class Module>
+class CheckpointIO {
+ public:
+  /// @param module the model
+  /// @param optimizer its optimizer
+  /// @param options the loop's options (the batch size and memory format)
+  /// @param progress where training stands, saved and restored
+  /// @param identity the mode and version stamped into the file
+  CheckpointIO(Module& module, torch::optim::Optimizer& optimizer, const TrainLoopOptions& options,
+               TrainingProgress& progress, RunIdentity identity)
+      : module_(module), optimizer_(optimizer), options_(options), progress_(progress), identity_(std::move(identity)) {}
+
+  /// Writes a checkpoint of the loop as it stands (see TrainState::save_checkpoint). A
+  /// collective: every rank calls it; rank 0 writes (`writes`).
+  /// @param engine the mode's engine
+  /// @param callbacks the callbacks' states, by key
+  /// @param path the file
+  /// @param writes whether this rank writes the file
+  /// @param epoch_sums the current epoch's metric sums while fit() trains one, or null
+  template <ModeEngine Engine>
+  void save(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
+            const MetricAccumulator* epoch_sums) {
+    progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
+    // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
+    const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
+    TrainingProgress snapshot = progress_;
+    if (epoch_sums != nullptr && progress_.mid_epoch()) {
+      snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums->packed_totals().to(torch::kCPU)));
+    }
+    CheckpointHeader header;
+    header.trainloop_version = identity_.trainloop_version;
+    header.mode = identity_.mode;
+    header.world_size = engine.world_size();
+    header.batch_size = options_.batch_size();
+    // A collective for a sharded mode (its ranks' shards); otherwise only the writer serializes.
+    unshard_parameters(engine);  // the model written whole
+    torch::serialize::OutputArchive optimizer_state;
+    save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
+    write_checkpoint_agreed(path, writes, [&engine](bool flag) { return engine.any_rank(flag); },
+                            [&] {
+                              // Written contiguous: any program loads the weights with torch::load.
+                              nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
+                              write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header);
+                            });
+  }
+
+  /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
+  /// stream when `restore_rng`). Every rank reads the file itself.
+  /// @param engine the mode's engine
+  /// @param path the file
+  /// @param callbacks the callbacks' states, by key
+  /// @param restore_rng whether this rank's random stream is restored too
+  template <ModeEngine Engine>
+  void load(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks, bool restore_rng) {
+    progress::PhaseScope phase(progress::Phase::CheckpointRead, path.filename().string());
+    std::optional<torch::Device> device;
+    if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
+    CheckpointFile file(path, device);
+    // All or nothing: a checkpoint that does not fit leaves the loop as it was (checkpoint/restore.hpp).
+    progress_ = restore_checkpoint(file, module_, optimizer_, callbacks,
+                                   restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt,
+                                   engine_optimizer_loader(engine));
+    // The partial epoch's sums: with the world size that wrote them each rank continues its own;
+    // otherwise rank 0 continues their sum (the samples are re-sharded, the totals stay exact).
+    if (progress_.partial_totals.defined() && progress_.partial_totals.size(0) != engine.world_size()) {
+      progress_.partial_totals = progress_.partial_totals.sum(0, /*keepdim=*/true);
+      const int64_t per_step = options_.batch_size() * engine.world_size();
+      progress_.batches_into_epoch = static_cast<int64_t>(progress_.samples_into_epoch) / std::max<int64_t>(per_step, 1);
+    }
+  }
+
+ private:
+  Module& module_;
+  torch::optim::Optimizer& optimizer_;
+  const TrainLoopOptions& options_;
+  TrainingProgress& progress_;
+  RunIdentity identity_;
+};
+
+}  // namespace trainloop::detail
