@@ -4,23 +4,9 @@
 #include <trainloop/trainloop.hpp>
 
 template <class Module>
-class HalfEngine {  // every member of ModeEngine, train_micro_batch, but no eval_batch
+class HalfEngine : public trainloop::OneProcessEngine {  // every member of ModeEngine, train_micro_batch, no eval_batch
  public:
   HalfEngine(const auto&, std::shared_ptr<Module> module) : module_(std::move(module)) {}
-  bool is_main() const { return true; }
-  int64_t rank() const { return 0; }
-  int64_t world_size() const { return 1; }
-  torch::Device device() const { return torch::kCPU; }
-  trainloop::DataShard data_shard() const { return {}; }
-  void all_reduce_sum(torch::Tensor&) {}
-  torch::Tensor all_gather(const torch::Tensor& tensor) { return tensor.unsqueeze(0); }
-  bool any_rank(bool flag) { return flag; }
-  void barrier() {}
-  void prepare() {}
-  void begin_fit(torch::optim::Optimizer&) {}
-  void end_fit() noexcept {}
-  void before_optimizer_step() {}
-  void after_optimizer_step() {}
   template <class Batch, class Forward, class Sink>
   void train_micro_batch(const Batch& batch, Forward&& forward, double, bool, Sink&& sink) {
     auto out = forward(*module_, batch);
