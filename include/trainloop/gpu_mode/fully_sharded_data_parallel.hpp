@@ -195,19 +195,17 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
                                         this->device_);
   }
   /// The step of this rank's pieces; at gradients the owners then broadcast them into every
-  /// rank's parameters, at full the units gathered before the step (a callback's evaluation) are stale and freed.
+  /// rank's parameters; at full every unit is freed first (one gathered before the step, for a
+  /// callback's evaluation, would be stale after it) and the slots' memory returned.
   void step_optimizer(torch::optim::Optimizer& optimizer) {
     if (!gradients_) {
       optimizer.step();
       return;
     }
+    if (parameters_) parameters_->release_slots();  // the step's temporaries take their place
     zero_->pieces_with_gradients(gradients_->chunks());  // frozen since the last look: no gradient
     zero_->step_pieces(optimizer);
-    if (parameters_) {
-      parameters_->free_all();
-    } else {
-      zero_->broadcast_pieces(*group_);
-    }
+    if (!parameters_) zero_->broadcast_pieces(*group_);
   }
   /// Every unit whole on every rank, for evaluation or a checkpoint (a collective).
   void unshard_parameters() {

@@ -12,7 +12,8 @@
 /// a model whose operators each read one unit). A gathered unit borrows one of two slots, buffers
 /// of the largest unit's size kept for the fit: gathering into fresh memory cost a page fault per
 /// 4 KiB, and the kernel's zeroing of those pages was the largest part of what full sharding added
-/// to a step (benchmarks/README.md, zero_memory). After the micro-batch all units are freed.
+/// to a step (benchmarks/README.md, zero_memory). After the micro-batch all units are freed, and
+/// before the optimizer step the slots too.
 /// Evaluation, a checkpoint and the end of the fit ask for every unit whole (unshard(), a
 /// collective the loop calls on every rank), into memory of their own.
 ///
@@ -88,6 +89,13 @@ class UnitParameters final : public UnitUser {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     whole_ = false;
     for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
+  }
+  /// Before the optimizer step: every unit freed and the slots' memory returned, so the step's
+  /// temporaries do not sit beside a unit's worth of buffer (the next micro-batch makes them anew).
+  void release_slots() noexcept {
+    free_all();
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    slots_.clear();
   }
   /// Every unit whole on every rank (a collective), for evaluation or a checkpoint; the next
   /// micro-batch shards them again.
