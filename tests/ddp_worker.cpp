@@ -1,4 +1,6 @@
-// A program that trains with gpu_mode::DistributedDataParallel, driven by test_distributed.
+// A program that trains with gpu_mode::DistributedDataParallel, driven by test_ddp, test_sharding,
+// test_comm_hooks and test_equivalence (helpers: ddp_test_support.hpp), and by test_mpirun,
+// test_torchrun, test_multinode and test_recipe.
 // fit() re-executes this program once per rank, exactly as it does for a user's program.
 //
 //   ddp_worker <scenario> <world> <out-dir> [port]
@@ -168,7 +170,7 @@ int main(int argc, char** argv) {
     throw std::runtime_error("rank 1 could not open its shard of the data");
   }
   try {
-    // TL_TEST_SEED_BY_RANK: rank r builds its model from another seed than the caller (test_distributed:
+    // TL_TEST_SEED_BY_RANK: rank r builds its model from another seed than the caller (test_ddp:
     // spawned ranks must still start from the caller's weights, which they load, not broadcast).
     const bool seed_by_rank = std::getenv("TL_TEST_SEED_BY_RANK") != nullptr;
     torch::manual_seed(seed_by_rank ? 5 + 1000 * static_cast<uint64_t>(std::max(own_rank(), 0)) : 5);
@@ -213,13 +215,13 @@ int main(int argc, char** argv) {
         scenario == "checkpoint_error") {
       callbacks.push_back(std::make_shared<FailOnRank>(scenario));
       epochs = 3;
-      // Failure must be caught by the launcher, not a timeout (test_distributed's kFailureTimeoutSeconds).
+      // Failure must be caught by the launcher, not a timeout (ddp_test_support.hpp's kFailureTimeoutSeconds).
       mode.timeout(std::chrono::seconds(60));
     }
     std::string resume;
     std::shared_ptr<StepCounter> counter;
     if (scenario == "ckpt") {
-      // Checkpoints, resume and restarts, driven by TL_TEST_* variables (see test_distributed).
+      // Checkpoints, resume and restarts, driven by TL_TEST_* variables (ddp_test_support.hpp: run_ckpt).
       epochs = env_number("TL_TEST_EPOCHS", 2);
       options.shuffle(true);
       callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(
@@ -241,7 +243,7 @@ int main(int argc, char** argv) {
       if (const int64_t clip = env_number("TL_TEST_CLIP_PERCENT", 0)) options.clip_grad_norm(static_cast<double>(clip) / 100.0);
       options.grad_accumulation_steps(env_number("TL_TEST_ACCUMULATION", 1));
     }
-    if (scenario == "uneven") {  // test_distributed: exact uneven batches (ddp_test_model.hpp's uneven_reference)
+    if (scenario == "uneven") {  // test_ddp: exact uneven batches (ddp_test_model.hpp's uneven_reference)
       train_size = kUnevenSamples;
       epochs = kUnevenEpochs;
       options.shuffle(true).seed(3).grad_accumulation_steps(env_number("TL_TEST_ACCUMULATION", 1));
@@ -359,7 +361,7 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-    if (scenario == "sharded_model_changes") {  // test_distributed, in joined ranks: a sharded loop keeps its layout
+    if (scenario == "sharded_model_changes") {  // test_sharding, in joined ranks: a sharded loop keeps its layout
       auto fsdp = tl::gpu_mode::FullyShardedDataParallel().processes_like(mode).sharding(tl::distributed::Sharding::Gradients);
       tl::TrainLoop<Mlp, tl::gpu_mode::FullyShardedDataParallel> sharded(net, train, {}, trained_optimizer,
                                                                          torch::nn::CrossEntropyLoss(), options, fsdp);

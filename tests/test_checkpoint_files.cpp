@@ -5,7 +5,7 @@
 // own directory and keeps its limits across resumes, kills and directory changes; a failed load
 // changes nothing; a killed write leaves no debris; a full disk is an error, not a crash; and
 // DataParallel with random layers is reproducible. (Resume exactness: test_checkpoint; DDP's
-// share: test_distributed.)
+// share: test_ddp; the sharding levels': test_sharding.)
 
 #include "checkpoint_test_model.hpp"
 #include "small_tmpfs.hpp"
