@@ -37,13 +37,13 @@ int main(int argc, char** argv) {
     FashionNet net;
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-3));
     using Mode = trainloop::gpu_mode::DistributedDataParallel;
-    trainloop::TrainLoop<FashionNet, Mode> loop(
+    trainloop::TrainLoop loop(  // TrainLoop<FashionNet, Mode>: the mode's type is the loop's, fixed at compile time
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),
-        trainloop::TrainLoopOptions().batch_size(batch_size).metrics({std::make_shared<trainloop::Accuracy>()}),
+        trainloop::TrainLoopOptions().batch_size(batch_size).metrics({trainloop::Accuracy()}),
         Mode().procs_per_node(procs).device_type(torch::kCPU));
     auto history = loop.fit(epochs, {std::make_shared<trainloop::ProgressBar>()});
     if (trainloop::is_main_process())
-      std::cout << "test accuracy " << history.last().validation->metrics.at("accuracy") << '\n';
+      std::cout << "test accuracy " << history.validation("accuracy") << '\n';
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << '\n';

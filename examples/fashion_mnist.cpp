@@ -93,7 +93,9 @@ int main(int argc, char** argv) {
   try {
     // The mode is chosen at run time; every mode then runs the same compiled loop.
     trainloop::gpu_mode::Any mode =
-        trainloop::mode_from_flags(trainloop::ModeFlags{gpu_mode, device, procs, replicas, comm_hook, zero, sharding});
+        trainloop::mode_from_flags(trainloop::ModeFlags{.gpu_mode = gpu_mode, .device = device, .procs = procs,
+                                                        .replicas = replicas, .comm_hook = comm_hook, .zero = zero,
+                                                        .sharding = sharding, .extra = {}});
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(seed);
     FashionNet net;
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));
-    trainloop::TrainLoop<FashionNet, trainloop::gpu_mode::Any> loop(
+    trainloop::TrainLoop loop(  // TrainLoop<FashionNet, gpu_mode::Any>, from `net` and `mode`
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),
         trainloop::TrainLoopOptions()
             .batch_size(batch_size)
@@ -118,7 +120,7 @@ int main(int argc, char** argv) {
             .seed(seed)
             .precision(trainloop::parse_precision(precision))
             .memory_format(trainloop::parse_memory_format(memory_format))
-            .metrics({std::make_shared<trainloop::Accuracy>()}),
+            .metrics({trainloop::Accuracy()}),
         mode);
 
     if (lr_find) {
@@ -156,14 +158,14 @@ int main(int argc, char** argv) {
                                                                           .keep_best(1)));
     }
     // With --resume, a run killed in epoch 3 of 4 finishes epochs 3 and 4 from the newest checkpoint.
-    auto history = loop.fit(epochs, callbacks, resume ? "last" : "");
+    auto history = loop.fit(epochs, callbacks, resume ? trainloop::Resume::last() : trainloop::Resume::none());
 
     double seconds = 0;
     for (const auto& epoch : history.epochs) seconds += epoch.seconds;  // resumed epochs included
-    const auto& result = *history.last().validation;
-    std::cout << mode.name() << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss << ", "
-              << result.samples << " test images) after " << history.epochs.size() << " epochs, "
-              << seconds << " s of training" << (history.stop_reason.empty() ? "" : " (" + history.stop_reason + ")") << '\n';
+    std::cout << mode.name() << ": test accuracy " << history.validation("accuracy") << " (loss "
+              << history.validation_loss() << ", " << history.last().validation->samples << " test images) after "
+              << history.epochs.size() << " epochs, " << seconds << " s of training"
+              << (history.stop_reason.empty() ? "" : " (" + history.stop_reason + ")") << '\n';
     // The most any rank holds, then each rank's (ZeRO splits the state; without it every rank holds it all).
     const auto& by_rank = history.last().optimizer_state_bytes_by_rank;
     std::cout << "optimizer state per rank: " << history.last().optimizer_state_bytes << " bytes";

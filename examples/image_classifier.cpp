@@ -46,13 +46,12 @@ void train_and_evaluate(Model model, const Arguments& args, const trainloop::dat
   torch::optim::AdamW optimizer(model->parameters(),  // fastai's default: Adam, decoupled weight decay 0.01
                                 torch::optim::AdamWOptions(args.lr).betas({0.9, 0.99}).eps(1e-5).weight_decay(0.01));
   const auto classes = static_cast<int64_t>(train.classes().size());
-  std::vector<std::shared_ptr<Metric>> metrics{std::make_shared<Accuracy>()};
-  if (classes > 5) metrics.push_back(std::make_shared<TopKAccuracy>(5));
-  TrainLoop<Model, gpu_mode::Any> loop(model, train, test, optimizer, torch::nn::CrossEntropyLoss(),
-                                       TrainLoopOptions().batch_size(args.batch_size).num_workers(args.workers)
-                                           .seed(args.seed).precision(parse_precision(args.precision))
-                                           .memory_format(parse_memory_format(args.memory_format)).metrics(metrics),
-                                       mode_from_flags(args.mode));
+  const MetricList metrics = classes > 5 ? MetricList{Accuracy(), TopKAccuracy(5)} : MetricList{Accuracy()};
+  TrainLoop loop(model, train, test, optimizer, torch::nn::CrossEntropyLoss(),  // TrainLoop<Model, gpu_mode::Any>
+                 TrainLoopOptions().batch_size(args.batch_size).num_workers(args.workers)
+                     .seed(args.seed).precision(parse_precision(args.precision))
+                     .memory_format(parse_memory_format(args.memory_format)).metrics(metrics),
+                 mode_from_flags(args.mode));
   if (args.epochs > 0) loop.fit(args.epochs, {FlatCos(args.lr), MixUp(0.1), ProgressBar()});
   const EvalResult result = loop.evaluate(test);
   if (!is_main_process()) return;

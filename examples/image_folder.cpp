@@ -86,11 +86,12 @@ int main(int argc, char** argv) {
                 << '\n';
     }
 
-    trainloop::gpu_mode::Any mode = trainloop::mode_from_flags(trainloop::ModeFlags{gpu_mode, device, procs, replicas});
+    trainloop::gpu_mode::Any mode = trainloop::mode_from_flags(
+        trainloop::ModeFlags{.gpu_mode = gpu_mode, .device = device, .procs = procs, .replicas = replicas, .extra = {}});
     torch::manual_seed(seed);
     ImageCnn net(train.channels(), static_cast<int64_t>(train.classes().size()));
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));
-    trainloop::TrainLoop<ImageCnn, trainloop::gpu_mode::Any> loop(
+    trainloop::TrainLoop loop(  // TrainLoop<ImageCnn, gpu_mode::Any>, from `net` and `mode`
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),
         trainloop::TrainLoopOptions()
             .batch_size(batch_size)
@@ -98,7 +99,7 @@ int main(int argc, char** argv) {
             .seed(seed)
             .precision(trainloop::parse_precision(precision))
             .memory_format(trainloop::parse_memory_format(memory_format))
-            .metrics({std::make_shared<trainloop::Accuracy>()}),
+            .metrics({trainloop::Accuracy()}),
         mode);
     trainloop::CallbackList callbacks{std::make_shared<trainloop::ProgressBar>()};
     if (!plot_png.empty()) callbacks.push_back(std::make_shared<trainloop::TrainingPlot>(plot_png));
@@ -106,10 +107,9 @@ int main(int argc, char** argv) {
     auto history = loop.fit(epochs, callbacks);
     double seconds = 0;
     for (const auto& epoch : history.epochs) seconds += epoch.seconds;
-    const auto& result = *history.last().validation;
-    std::cout << mode.name() << ": test accuracy " << result.metrics.at("accuracy") << " (loss " << result.loss << ", "
-              << result.samples << " test images) after " << history.epochs.size() << " epochs, " << seconds
-              << " s of training\n";
+    std::cout << mode.name() << ": test accuracy " << history.validation("accuracy") << " (loss "
+              << history.validation_loss() << ", " << history.last().validation->samples << " test images) after "
+              << history.epochs.size() << " epochs, " << seconds << " s of training\n";
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << '\n';
