@@ -38,7 +38,7 @@ struct ModeFlags {
   std::string comm_hook = "none";   ///< ddp: how gradients travel: none, fp16, bf16, powersgd[:RANK] (comm_hook_named)
   bool zero = false;                ///< ddp: ZeRO-1, the optimizer state sharded over the ranks
   std::string sharding = "none";    ///< none, optimizer (ddp with ZeRO-1), gradients or full (fsdp); fsdp's "none" is full
-  std::map<std::string, std::string> extra;  ///< a user's mode's own flags, by name (read by its apply_mode_flags)
+  std::map<std::string, std::string> extra = {};  ///< a user's mode's own flags, by name (read by its apply_mode_flags)
 };
 
 namespace gpu_mode {
