@@ -2,7 +2,7 @@
 #include "unit_test.hpp"
 
 // Training state: the callback context, continuing fits, checkpoints and exact resume, in one
-// process (single and DataParallel). DDP's share is in test_distributed.cpp.
+// process (single and DataParallel). DDP's share is in test_ddp.cpp.
 
 #include "checkpoint_test_model.hpp"
 #include "test_support.hpp"

@@ -35,7 +35,7 @@
 /// |                                                   | on_epoch_end and on_fit_end, on every rank (a         |
 /// |                                                   | collective; callbacks may read the weights): a mode   |
 /// |                                                   | that keeps a share of the parameters between steps    |
-/// |                                                   | makes them whole (DDP's sharding full). Default:      |
+/// |                                                   | makes them whole (fsdp at full). Default:            |
 /// |                                                   | nothing                                               |
 /// | run_fit(actions, resume)                          | wraps a whole fit (DDP launches ranks or ends a       |
 /// |                                                   | spawned one). Default: actions.train(resume)          |

@@ -22,6 +22,7 @@
 
 #include <torch/torch.h>
 
+#include <exception>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -100,8 +101,8 @@ AnyMode mode_from_flags(const ModeFlags& flags) {
   require(!comm_hook || name == "ddp", "comm hook", flags.comm_hook,
           "gpu mode ddp (hooks carry DDP's all-reduced gradients between processes; sharded gradients are "
           "reduce-scattered) or comm hook none");
-  require(!flags.zero || name == "ddp", "zero", "on", "gpu mode ddp (ZeRO-1 shards the optimizer state over DDP's "
-          "processes; fsdp shards it always) or ZeRO off");
+  require(!flags.zero || name == "ddp" || name == "fsdp", "zero", "on", "gpu mode ddp (ZeRO-1 shards the optimizer "
+          "state over DDP's processes; fsdp shards it always) or ZeRO off");
   require(sharding == distributed::Sharding::None || name == "ddp" || name == "fsdp", "sharding", flags.sharding,
           "gpu mode ddp or fsdp (sharding splits the model over their processes) or sharding none");
   require(sharding != distributed::Sharding::Optimizer || name == "ddp", "sharding", flags.sharding,

@@ -4,7 +4,7 @@
 /// on which machines and devices, over which backend, with which limits — written once for
 /// DistributedDataParallel (replicated gradients) and FullyShardedDataParallel (sharded ones).
 ///
-/// A mode derives from `MultiProcess<Mode>` (the curiously recurring template: each setter returns
+/// A mode derives publicly from `MultiProcess<Mode>` (the curiously recurring template: each setter returns
 /// the mode itself, so `gpu_mode::FullyShardedDataParallel().procs_per_node(4).sharding_units(...)`
 /// chains across the shared and the mode's own settings).
 

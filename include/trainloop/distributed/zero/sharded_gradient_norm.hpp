@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief Clipping gradients that are spread over the ranks (DDP's sharding levels 2 and 3): each
+/// @brief Clipping gradients that are spread over the ranks (FullyShardedDataParallel): each
 /// rank holds only its chunks, so the whole gradient's norm is the square root of the sum over
 /// ranks of each rank's sum of squares.
 

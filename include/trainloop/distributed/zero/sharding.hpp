@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// @brief How much of a model DDP shards over its ranks (ZeRO's stages, FSDP's strategies):
-/// `gpu_mode::DistributedDataParallel().sharding(distributed::Sharding::Full)`, or `--sharding full`.
+/// @brief How much of a model is sharded over the ranks (ZeRO's stages, FSDP's strategies):
+/// optimizer is `gpu_mode::DistributedDataParallel().zero(true)`; gradients and full are
+/// `gpu_mode::FullyShardedDataParallel().sharding(distributed::Sharding::Full)`; `--sharding full`.
 ///
 /// | level     | each rank keeps 1/W of                      | PyTorch FSDP / DeepSpeed     |
 /// |-----------|---------------------------------------------|------------------------------|

@@ -32,9 +32,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace trainloop::distributed {
@@ -134,6 +137,7 @@ inline void register_unit_gather_fallback() {
 /// reads a storage of `user` gathers it first. Registers `user` for the scope's lifetime.
 class UnitGatherScope {
  public:
+  /// Registers `user` and includes the mode's key in this thread's key set.
   explicit UnitGatherScope(UnitUser& user) : user_(user), include_(detail::kUnitGatherKey) {
     detail::register_unit_gather_fallback();
     detail::UnitUsers& registry = detail::unit_users();
@@ -142,6 +146,7 @@ class UnitGatherScope {
   }
   UnitGatherScope(const UnitGatherScope&) = delete;
   UnitGatherScope& operator=(const UnitGatherScope&) = delete;
+  /// Unregisters the user; the key leaves the thread's key set.
   ~UnitGatherScope() {
     detail::UnitUsers& registry = detail::unit_users();
     std::lock_guard<std::mutex> lock(registry.mutex);

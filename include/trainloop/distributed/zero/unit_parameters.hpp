@@ -27,6 +27,7 @@
 #include <trainloop/error.hpp>
 #include <trainloop/progress/collective_log.hpp>
 
+#include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -73,6 +74,9 @@ class UnitParameters final : public UnitUser {
   }
   UnitParameters(const UnitParameters&) = delete;
   UnitParameters& operator=(const UnitParameters&) = delete;
+  /// Frees every unit first: no storage may point into a slot that goes with this object (call
+  /// release() before, or the parameters stay views of freed buffers).
+  ~UnitParameters() override { free_all(); }
 
   /// Before a micro-batch's forward: this rank's chunks refreshed from the parameters when they
   /// were whole (evaluation, a loaded checkpoint), and every unit freed. The caller then trains
@@ -83,8 +87,8 @@ class UnitParameters final : public UnitUser {
     whole_ = false;
     for (size_t u = 0; u < full_.size(); ++u) free_unit(u);
   }
-  /// After a micro-batch's backward (also when it threw), and after the optimizer step (whatever
-  /// was gathered before it is stale): every unit freed.
+  /// After a micro-batch's backward (also when it threw): every unit freed (release_slots()
+  /// does it too, before the optimizer step: whatever was gathered before the step is stale after it).
   void free_all() noexcept {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     whole_ = false;
@@ -180,6 +184,7 @@ class UnitParameters final : public UnitUser {
   }
   /// Gives unit `u`'s buffer memory of its own (uninitialized).
   void allocate_own(size_t u) {
+    const c10::OptionalDeviceGuard on_its_device(full_[u].device());  // a CUDA allocator allocates on the current device
     c10::StorageImpl* storage = storages_[u];
     const size_t bytes = static_cast<size_t>(full_[u].numel()) * full_[u].element_size();
     storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
@@ -223,7 +228,7 @@ class UnitParameters final : public UnitUser {
         full_[u].narrow(0, group_.rank() * chunk, chunk).copy_(own_chunks_[u]);
         for (int r = 0; r < group_.world_size(); ++r) group_.broadcast(full_[u].narrow(0, r * chunk, chunk), r);
       } else {
-        group_.all_gather_into(own_chunks_[u], full_[u]);  // NCCL gathers into the buffer itself
+        group_.all_gather_into(own_chunks_[u], full_[u]);  // one collective (c10d may stage it; not measured on a GPU)
       }
     } catch (...) {
       free_unit(u);  // nothing reads half-gathered values
@@ -236,6 +241,7 @@ class UnitParameters final : public UnitUser {
     for (Slot& slot : slots_) {
       if (slot.unit == static_cast<int>(u)) slot.unit = -1;
     }
+    const c10::OptionalDeviceGuard on_its_device(full_[u].device());
     c10::StorageImpl* storage = storages_[u];
     storage->set_data_ptr_noswap(storage->allocator()->allocate(0));
     storage->set_nbytes(0);

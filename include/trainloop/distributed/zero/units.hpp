@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief The units of DDP's sharding levels 2 and 3 (FSDP's wrapped modules): which submodule
+/// @brief The units of FullyShardedDataParallel (FSDP's wrapped modules): which submodule
 /// each parameter belongs to, and the checks that the model a sharded fit lays out is the one
 /// the optimizer trains and stays the same across fits.
 
@@ -65,8 +65,8 @@ inline UnitAssignment assign_units(const torch::nn::Module& module, std::vector<
   return assignment;
 }
 
-/// @brief Every parameter of `module` that requires grad is in `optimizer` (levels 2 and 3 reduce
-/// only the optimizer's parameters, so another would never get its gradient reduced).
+/// @brief Every parameter of `module` that requires grad is in `optimizer` (sharded gradients are
+/// reduced only for the optimizer's parameters, so another would never get its gradient reduced).
 /// @throws trainloop::ConfigurationError naming the first that is not.
 inline void check_trainable_parameters_in(const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
                                           Sharding level) {

@@ -70,14 +70,14 @@ class ZeroOptimizerShard {
     if (dynamic_cast<const torch::optim::LBFGS*>(&optimizer) != nullptr) {
       throw ConfigurationError("trainloop: ZeRO is on with optimizer LBFGS, whose state is one history for all "
                                "parameters, not per parameter; expected an optimizer with state per parameter "
-                               "(SGD, Adam, AdamW, Adagrad, RMSprop) or zero off");
+                               "(SGD, Adam, AdamW, Adagrad, RMSprop), or zero off (ddp) / gpu mode ddp (fsdp)");
     }
     // A user's optimizer may compute per-tensor quantities (LAMB's and LARS's trust ratios use the
     // norm of the whole tensor): stepping a piece would change its result without a word.
     if (!detail::steps_per_element(optimizer)) {
       throw ConfigurationError("trainloop: ZeRO is on with optimizer " + ::trainloop::detail::demangled(typeid(optimizer).name()) +
                                ", which trainloop cannot prove updates each element on its own (ZeRO steps pieces "
-                               "of tensors); expected SGD, Adam, AdamW, Adagrad or RMSprop, or zero off");
+                               "of tensors); expected SGD, Adam, AdamW, Adagrad or RMSprop, or zero off (ddp) / gpu mode ddp (fsdp)");
     }
   }
 
