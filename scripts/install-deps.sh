@@ -23,6 +23,8 @@ torch_version=2.11.0
 torchvision_version=0.26.0
 # timm: the Python models the torch.export tests export (random init, no hub download).
 timm_version=1.0.31
+# safetensors: the PyPI reader/writer the safetensors tests compare trainloop's files with.
+safetensors_version=0.8.0
 venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/trainloop/torch-$torch_version}
 
 packages=(
@@ -102,6 +104,13 @@ else
   "${as_root[@]}" apt-get update -q
   "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+install_safetensors() {
+  if "$venv/bin/python" -c "import safetensors, sys; sys.exit(safetensors.__version__ != '$safetensors_version')" 2>/dev/null; then
+    return
+  fi
+  echo "install-deps.sh: installing safetensors $safetensors_version into $venv (the safetensors tests' reference)"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "safetensors==$safetensors_version"
+}
 install_timm() {
   if "$venv/bin/python" -c "import timm, sys; sys.exit(timm.__version__ != '$timm_version')" 2>/dev/null; then
     return
@@ -114,4 +123,5 @@ install_timm() {
 if [[ $libtorch != debian ]]; then
   install_pip_torch
   install_timm
+  install_safetensors
 fi
