@@ -17,6 +17,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <iterator>
+#include <vector>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -44,10 +46,16 @@ class PickleObjects : protected PickleBuilder {
     pickle_fail(std::forward<Parts>(parts)...);
   }
 
+  /// Refuses every storage whose persistent id names another location than `location` ("cpu").
+  void require_storage_location(std::string location) { required_location_ = std::move(location); }
+
   /// GLOBAL, STACK_GLOBAL: `module.name`, if the allow-list has it for this flavor.
   PickleValue global(std::string_view module, std::string_view name) {
     const auto role = allowed_global(module, name, flavor_);
     if (!role) {
+      if (flavor_ == PickleFlavor::DcpMetadata) {
+        fail("the pickle names the global ", quote_untrusted(std::string(module) + "." + std::string(name)), "; ", kAllowedDcpGlobals);
+      }
       fail("the pickle names the global ", quote_untrusted(std::string(module) + "." + std::string(name)), ", which a file of weights never needs; ", kAllowedGlobals);
     }
     PickleValue value = make_text(Kind::Global, std::string(module) + "." + std::string(name));
@@ -85,6 +93,34 @@ class PickleObjects : protected PickleBuilder {
       case GlobalRole::FirstArgument:
         if (list.empty()) fail(name, " of nothing; expected a value");
         return list[0];
+      case GlobalRole::TorchSize:  // torch.Size((2, 3)): the tuple itself
+        if (list.size() != 1 || list[0].kind != Kind::Tuple) fail(name, " of other than one tuple; expected torch.Size((ints...))");
+        int_tuple(document_, list[0], "a torch.Size", limits_.max_dims);
+        return list[0];
+      case GlobalRole::Layout:  // torch.serialization._get_layout("torch.strided"): the name
+        if (list.size() != 1 || list[0].kind != Kind::String) fail(name, " of other than one str; expected a layout's name");
+        return list[0];
+      case GlobalRole::FilePath:  // pathlib.PosixPath("/", "a", "b"): the parts' text, joined
+        return path_text(name, list);
+      case GlobalRole::MemoryFormatEnum:  // _MEM_FORMAT_ENCODING(0): the member's value
+        if (list.size() != 1 || list[0].kind != Kind::Int || list[0].integer < 0 ||
+            list[0].integer >= static_cast<int64_t>(std::size(kMemoryFormatMembers))) {
+          fail(name, " of other than a member's value; expected 0, 1 or 2");
+        }
+        return list[0];
+      case GlobalRole::EnumMember:  // getattr(_MEM_FORMAT_ENCODING, "TORCH_..."): Python 3.11's pickle of a member
+        if (list.size() == 2 && list[0].kind == Kind::Global && role_of(list[0]) == GlobalRole::MemoryFormatEnum &&
+            list[1].kind == Kind::String) {
+          for (size_t member = 0; member < std::size(kMemoryFormatMembers); ++member) {
+            if (document_.text(list[1]) == kMemoryFormatMembers[member]) {
+              PickleValue value;
+              value.kind = Kind::Int;
+              value.integer = static_cast<int64_t>(member);
+              return value;
+            }
+          }
+        }
+        fail(name, " of other than _MEM_FORMAT_ENCODING and one of its members' names; expected nothing else of getattr");
       default:
         fail("the pickle calls ", name, ", which is not callable here; ", kAllowedGlobals);
     }
@@ -99,6 +135,11 @@ class PickleObjects : protected PickleBuilder {
         role_of((*fields)[1]) != GlobalRole::StorageType || (*fields)[2].kind != Kind::String ||
         (*fields)[4].kind != Kind::Int || (*fields)[4].integer < 0) {
       fail("a persistent id that is not ('storage', torch.<Type>Storage, key, location, numel >= 0)");
+    }
+    if (!required_location_.empty() &&
+        ((*fields)[3].kind != Kind::String || document_.text((*fields)[3]) != required_location_)) {
+      fail("a storage located at ", (*fields)[3].kind == Kind::String ? quote_untrusted(document_.text((*fields)[3])) : a_kind((*fields)[3].kind),
+           "; expected ", quote_untrusted(required_location_));
     }
     const auto dtype = *storage_dtype(document_.text((*fields)[1]));
     const std::string& key = document_.text((*fields)[2]);
@@ -120,8 +161,12 @@ class PickleObjects : protected PickleBuilder {
   void build(const PickleValue& target, const PickleValue& state) {
     switch (target.kind) {
       case Kind::Object: {
-        // A TorchScript object's attributes, by name. No method of its class runs.
-        if (state.kind != Kind::Dict) fail("BUILD of ", a_kind(state.kind), " on an object; expected a dict of attributes");
+        // A TorchScript object's attributes, by name; a DCP dataclass's state (TensorProperties'
+        // __getstate__ is a tuple). No method of its class runs.
+        const bool dcp = role_of(document_.items(target)[0]) == GlobalRole::DcpClass;
+        if (state.kind != Kind::Dict && !(dcp && state.kind == Kind::Tuple)) {
+          fail("BUILD of ", a_kind(state.kind), " on an object; expected a dict of attributes");
+        }
         if (document_.items(target)[1].kind != Kind::None) fail("BUILD on an object that has its attributes; expected one BUILD");
         set_object_state(target, state);
         break;
@@ -143,17 +188,36 @@ class PickleObjects : protected PickleBuilder {
   /// NEWOBJ: `cls.__new__(cls, *args)`, how a TorchScript object is pickled; an object without
   /// attributes until its BUILD.
   PickleValue new_object(const PickleValue& cls, const PickleValue& args) {
-    if (cls.kind != Kind::Global || role_of(cls) != GlobalRole::ScriptClass) {
+    if (cls.kind != Kind::Global || (role_of(cls) != GlobalRole::ScriptClass && role_of(cls) != GlobalRole::DcpClass)) {
       fail("the pickle creates an object of ", cls.kind == Kind::Global ? quote_untrusted(document_.text(cls)) : std::string(a_kind(cls.kind)),
-           "; expected objects only of TorchScript classes (__torch__.*) in a TorchScript archive");
+           "; expected objects only of TorchScript classes (__torch__.*) in a TorchScript archive, or of DCP's "
+           "metadata classes in a .metadata");
     }
     if (args.kind != Kind::Tuple || !document_.items(args).empty()) fail("NEWOBJ of ", quote_untrusted(document_.text(cls)), " with arguments; expected ()");
     return make_container(Kind::Object, {cls, PickleValue{}});
   }
 
  private:
+  /// pathlib's `PurePath.__reduce__` is (cls, parts): the parts joined by '/' (the first, a root
+  /// "/", stands alone), as text; no path is touched.
+  PickleValue path_text(const std::string& name, const std::vector<PickleValue>& parts) {
+    std::string text;
+    for (const auto& part : parts) {
+      if (part.kind != Kind::String) fail(name, " of ", a_kind(part.kind), "; expected strs");
+      const std::string& piece = document_.text(part);
+      if (!text.empty() && text.back() != '/') text += '/';
+      // Bounded before it grows: a path of memoized parts repeated could ask for any size.
+      if (piece.size() > kMaxPathBytes || text.size() > kMaxPathBytes - piece.size()) fail(name, " of more than ", kMaxPathBytes, " bytes");
+      text += piece;
+    }
+    return make_text(Kind::String, text);
+  }
+
+  static constexpr size_t kMaxPathBytes = 65536;  // Linux's PATH_MAX is 4096
+
   PickleFlavor flavor_;
   StorageLoader load_storage_;
+  std::string required_location_;  // "" for any
   std::unordered_map<std::string, PickleValue> storages_;  // key -> its Storage value
 };
 

@@ -90,6 +90,7 @@ class Unpickler : private PickleObjects {
   }
 
   using PickleBuilder::stats;
+  using PickleObjects::require_storage_location;
 
  private:
   // ---- stack and MARKs: nothing below the last MARK is reachable ----

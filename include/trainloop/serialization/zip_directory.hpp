@@ -57,16 +57,17 @@ inline uint64_t read_le(const char* at, size_t bytes) {
   return value;
 }
 
-/// Reads `count` bytes at `offset` of `in`, or throws `fail()`'s error.
+/// Reads `count` bytes at `offset` of `in` (from `base`, the archive's first byte in the file),
+/// or throws an error naming `path`.
 inline std::string read_at(std::ifstream& in, uint64_t offset, uint64_t count, uint64_t file_size,
-                           const std::filesystem::path& path) {
+                           const std::filesystem::path& path, uint64_t base = 0) {
   if (offset > file_size || count > file_size - offset) {
     throw CheckpointError(concat("trainloop: ", path.string(), " is truncated or corrupt (its zip directory ",
                                  "points at bytes ", offset, "-", offset + count, " of a ", file_size,
-                                 "-byte file); expected a complete file"));
+                                 "-byte ", base == 0 ? "file" : "archive inside it", "); expected a complete file"));
   }
   std::string bytes(count, '\0');
-  in.seekg(static_cast<std::streamoff>(offset));
+  in.seekg(static_cast<std::streamoff>(base + offset));
   in.read(bytes.data(), static_cast<std::streamsize>(count));
   if (!in) throw CheckpointError(concat("trainloop: cannot read ", path.string(), "; expected a readable file"));
   return bytes;
@@ -74,25 +75,35 @@ inline std::string read_at(std::ifstream& in, uint64_t offset, uint64_t count, u
 
 }  // namespace detail
 
-/// @brief The records of the zip archive `path`, checked as described in the file comment.
+/// @brief The records of the zip archive at bytes [begin, begin + length) of `path` (a torch.save
+/// blob inside a larger file, as a DCP .distcp item): offsets relative to `begin`, every check
+/// of read_zip_directory(path) against the `length` bytes; a range past the file's end is an error.
+/// `length` UINT64_MAX with `begin` 0: the whole file.
 /// @throws trainloop::CheckpointError naming the file and what is wrong: no directory (not a zip,
-///         or truncated), a compressed record, or records that claim more bytes than the file has.
-inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& path) {
+///         or truncated), a compressed record, or records that claim more bytes than the archive has.
+inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& path, uint64_t begin, uint64_t length) {
   using detail::concat;
   using detail::read_le;
   std::ifstream in(path, std::ios::binary);
   if (!in) throw CheckpointError(concat("trainloop: cannot open ", path.string(), "; expected a readable file"));
   in.seekg(0, std::ios::end);
-  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+  const uint64_t whole_size = static_cast<uint64_t>(in.tellg());
+  const bool whole = begin == 0 && length == UINT64_MAX;
+  if (!whole && (begin > whole_size || length > whole_size - begin)) {
+    throw CheckpointError(concat("trainloop: ", path.string(), " is truncated (an archive at bytes ", begin, "-",
+                                 begin + length, " of a ", whole_size, "-byte file); expected a complete file"));
+  }
+  const uint64_t file_size = whole ? whole_size : length;  // the archive's size
+  const std::string where = whole ? "" : concat(" at bytes ", begin, "-", begin + length);
   auto corrupt = [&](const std::string& what) {
-    return CheckpointError(concat("trainloop: ", path.string(), " is truncated or corrupt (a zip archive with ", what,
+    return CheckpointError(concat("trainloop: ", path.string(), " is truncated or corrupt (a zip archive", where, " with ", what,
                                   "); expected a complete torch archive"));
   };
   // The end-of-central-directory record: 22 bytes and a comment of at most 65535, at the end.
   constexpr uint64_t kEndRecord = 22;
   if (file_size < kEndRecord) throw corrupt(concat("only ", file_size, " bytes"));
   const uint64_t tail_size = std::min<uint64_t>(file_size, kEndRecord + 65535);
-  const std::string tail = detail::read_at(in, file_size - tail_size, tail_size, file_size, path);
+  const std::string tail = detail::read_at(in, file_size - tail_size, tail_size, file_size, path, begin);
   size_t end_at = std::string::npos;
   for (size_t i = tail.size() - kEndRecord + 1; i-- > 0;) {
     if (read_le(tail.data() + i, 4) == 0x06054b50) {
@@ -108,9 +119,9 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
   // ZIP64 (files over 4 GiB, or records past 4 GiB): its locator sits right before the record.
   const uint64_t end_position = file_size - tail_size + end_at;
   if (end_position >= 20) {
-    const std::string locator = detail::read_at(in, end_position - 20, 20, file_size, path);
+    const std::string locator = detail::read_at(in, end_position - 20, 20, file_size, path, begin);
     if (read_le(locator.data(), 4) == 0x07064b50) {
-      const std::string end64 = detail::read_at(in, read_le(locator.data() + 8, 8), 56, file_size, path);
+      const std::string end64 = detail::read_at(in, read_le(locator.data() + 8, 8), 56, file_size, path, begin);
       if (read_le(end64.data(), 4) != 0x06064b50) throw corrupt("a ZIP64 locator that points at no ZIP64 record");
       entries = read_le(end64.data() + 32, 8);
       directory_size = read_le(end64.data() + 40, 8);
@@ -121,7 +132,7 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
   if (entries > directory_size / kEntryHeader) {
     throw corrupt(concat(entries, " records declared in a ", directory_size, "-byte directory"));
   }
-  const std::string directory = detail::read_at(in, directory_offset, directory_size, file_size, path);
+  const std::string directory = detail::read_at(in, directory_offset, directory_size, file_size, path, begin);
   std::vector<ZipRecord> records;
   records.reserve(entries);
   // One name, one record (see the file comment): the top folder of the first record, and every
@@ -227,13 +238,13 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
   // it is refused here, not by libtorch's reader mid-construction (which then leaks its state).
   constexpr uint64_t kLocalHeader = 30;
   for (auto& record : records) {
-    const std::string local = detail::read_at(in, record.offset, kLocalHeader, file_size, path);
+    const std::string local = detail::read_at(in, record.offset, kLocalHeader, file_size, path, begin);
     if (read_le(local.data(), 4) != 0x04034b50) {
       throw corrupt(concat("the record ", quote_untrusted(record.name), " whose local header at byte ", record.offset,
                            " is not a zip local header"));
     }
     const uint64_t name_length = read_le(local.data() + 26, 2), extra_length = read_le(local.data() + 28, 2);
-    const std::string name = detail::read_at(in, record.offset + kLocalHeader, name_length, file_size, path);
+    const std::string name = detail::read_at(in, record.offset + kLocalHeader, name_length, file_size, path, begin);
     record.data_offset = record.offset + kLocalHeader + name_length + extra_length;
     if (name != record.name || record.data_offset > file_size || record.stored_size > file_size - record.data_offset) {
       throw corrupt(concat("the record ", quote_untrusted(record.name), " whose local header names ",
@@ -242,6 +253,13 @@ inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& pa
     }
   }
   return records;
+}
+
+/// @brief The records of the zip archive `path`, checked as described in the file comment.
+/// @throws trainloop::CheckpointError naming the file and what is wrong: no directory (not a zip,
+///         or truncated), a compressed record, or records that claim more bytes than the file has.
+inline std::vector<ZipRecord> read_zip_directory(const std::filesystem::path& path) {
+  return read_zip_directory(path, 0, UINT64_MAX);
 }
 
 /// @brief The bytes of a stored (uncompressed) record of size at most `max_bytes`, read here from

@@ -1,0 +1,364 @@
+#define BOOST_TEST_MODULE test_dcp_format
+#include "unit_test.hpp"
+
+// torch.distributed.checkpoint's on-disk format (include/trainloop/serialization/dcp/): boxes of
+// flat ranges, a 2-"rank" checkpoint written here and loaded by Python's DCP (torch 2.11) into
+// zero tensors, any flat range read back here, Python's own checkpoints read here bit for bit,
+// every defect a clear CheckpointError naming the file, and the metadata pickle's round trip.
+// Python cases need the 2.11 torch (its DCP is the reference) and are Skipped per case otherwise.
+
+#include "python_reference.hpp"
+#include "test_support.hpp"
+
+#include <trainloop/serialization/dcp/distcp_reader.hpp>
+#include <trainloop/serialization/dcp/distcp_writer.hpp>
+#include <trainloop/serialization/dcp/flat_range_boxes.hpp>
+#include <trainloop/serialization/dcp/metadata_file.hpp>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+namespace dcp = trainloop::serialization::dcp;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return true;
+  std::cout << "expected \"" << part << "\" in: " << text << "\n";
+  return false;
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+/// A Python whose torch is 2.11, whose DCP is the reference; "" when reference_python() is not.
+const std::string& dcp_python() {
+  static const std::string found = [] {
+    if (reference_python().empty()) return std::string();
+    const std::string probe = "'" + reference_python() +
+                              "' -c 'import sys, torch, torch.distributed.checkpoint; sys.exit(0 if torch.__version__.startswith(\"2.11\") else 1)' "
+                              ">/dev/null 2>&1";
+    return std::system(probe.c_str()) == 0 ? reference_python() : std::string();
+  }();
+  return found;
+}
+
+boost::test_tools::assertion_result python_211_present(boost::unit_test::test_unit_id) {
+  if (!dcp_python().empty()) return true;
+  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 with torch 2.11 (the DCP reference; set TRAINLOOP_PYTHON)" << std::endl;
+  boost::test_tools::assertion_result result(false);
+  result.message() << "no python3 with torch 2.11";
+  return result;
+}
+
+// ---- What Python does ----------------------------------------------------------------------------
+const char* kScript = R"PY(
+import os, pickle, sys
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata, BytesStorageMetadata
+
+command, work = sys.argv[1], sys.argv[2]
+
+if command == "load_cpp":
+    # The C++ checkpoint in work/ck; the expected tensors in work/expected/<fqn> (torch.save).
+    ck = os.path.join(work, "ck")
+    expected = {name: torch.load(os.path.join(work, "expected", name), weights_only=True)
+                for name in sorted(os.listdir(os.path.join(work, "expected")))}
+    # The reader's way: FileSystemReader.read_metadata is a pickle.load of .metadata.
+    with open(os.path.join(ck, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    assert isinstance(md, Metadata), type(md)
+    md2 = FileSystemReader(ck).read_metadata()
+    assert md2.state_dict_metadata == md.state_dict_metadata
+    for name, t in expected.items():
+        m = md.state_dict_metadata["model." + name]
+        assert isinstance(m, TensorStorageMetadata), (name, m)
+        assert m.properties.dtype == t.dtype and m.size == t.size(), (name, m)
+        assert m.properties.memory_format == torch.contiguous_format
+        assert m.properties.layout == torch.strided
+    assert isinstance(md.state_dict_metadata["extra.count"], BytesStorageMetadata)
+    print("chunks", sum(len(m.chunks) for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)))
+    sd = {name: torch.zeros_like(t) for name, t in expected.items()}
+    state = {"model": sd, "extra": {"count": 0}}
+    dcp.load(state, checkpoint_id=ck)
+    for name, t in expected.items():
+        assert sd[name].dtype == t.dtype, name
+        assert torch.equal(sd[name], t), (name, (sd[name].double() - t.double()).abs().max())
+        print("equal", name, tuple(t.shape), t.dtype)
+    assert state["extra"]["count"] == 7, state["extra"]
+    # An empty state dict: DCP rebuilds the nesting from planner_data.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    whole = _load_state_dict_from_keys(checkpoint_id=ck)
+    assert torch.equal(whole["model"]["w2"], expected["w2"]) and whole["extra"]["count"] == 7, whole.keys()
+    print("OK")
+elif command == "save":
+    # A model's state_dict and an optimizer-like nested dict, with views and several dtypes;
+    # every tensor's contiguous bytes in work/raw/<fqn>.
+    torch.manual_seed(0)
+    ck = os.path.join(work, "py")
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4))
+    base = torch.randn(6, 5)
+    state = {
+        "model": model.state_dict(),
+        "optim": {"state": {"fc.weight": {"exp_avg": base.t(), "exp_avg_sq": base[1:4, 2:], "step": torch.tensor(3.)}},
+                  "param_groups": [{"lr": 0.1, "params": ["fc.weight"]}]},
+        "extra": {"half": torch.randn(3, 2).half(), "bf16": torch.randn(7).bfloat16(), "ints": torch.arange(-5, 5),
+                  "flags": torch.tensor([True, False, True]), "empty": torch.zeros(0, 3)},
+    }
+    dcp.save(state, checkpoint_id=ck)
+    os.makedirs(os.path.join(work, "raw"), exist_ok=True)
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            with open(os.path.join(work, "raw", prefix), "wb") as f:
+                f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        elif isinstance(value, dict):
+            for k, v in value.items(): walk(prefix + "." + k if prefix else k, v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value): walk(prefix + "." + str(i), v)
+    walk("", state)
+    print("OK")
+)PY";
+
+PythonRun python(const fs::path& work, const std::string& command) {
+  const auto script = work / "dcp_reference.py";
+  std::ofstream(script) << kScript;
+  const std::string line = "'" + dcp_python() + "' '" + script.string() + "' " + command + " '" + work.string() + "' 2>&1";
+  PythonRun run;
+  FILE* pipe = ::popen(line.c_str(), "r");
+  BOOST_REQUIRE(pipe != nullptr);
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) run.output.append(buffer, n);
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::cout << run.output;
+  return run;
+}
+
+// ---- A 2-"rank" checkpoint written here ------------------------------------------------------------
+
+/// The tensors of the checkpoint, by name: several dtypes and shapes.
+std::map<std::string, torch::Tensor> model_tensors() {
+  torch::manual_seed(1);
+  std::map<std::string, torch::Tensor> tensors;
+  tensors["w1"] = torch::randn({5, 7});
+  tensors["w2"] = torch::randn({4, 3, 2}).to(torch::kBFloat16);
+  tensors["w3"] = torch::arange(-10, 23, torch::kLong);
+  tensors["w4"] = torch::randn({3, 4, 5, 2}, torch::kDouble);
+  tensors["w5"] = torch::randn({6, 2}) > 0;
+  tensors["w6"] = torch::randn({2, 3}).to(torch::kHalf).t();  // a view: written contiguous
+  tensors["scalar"] = torch::tensor(2.5);
+  return tensors;
+}
+
+/// Rank 0 writes elements [0, k) of every tensor, rank 1 [k, n), k = 2n/5 (inside a row), and a
+/// bytes value; the merged metadata goes to `.metadata`.
+dcp::Metadata write_two_ranks(const fs::path& directory, const std::map<std::string, torch::Tensor>& tensors) {
+  fs::create_directories(directory);
+  std::vector<dcp::Metadata> parts;
+  for (int rank = 0; rank < 2; ++rank) {
+    dcp::DistcpWriter writer(directory, rank);
+    for (const auto& [name, tensor] : tensors) {
+      const int64_t n = tensor.numel(), k = 2 * n / 5 + (n > 1 ? 1 : 0);
+      const int64_t begin = rank == 0 ? 0 : k, end = rank == 0 ? k : n;
+      const auto flat = tensor.contiguous().view({-1}).narrow(0, begin, end - begin);
+      writer.add_flat_range("model." + name, flat, begin, tensor.sizes().vec());
+      writer.set_planner_path("model." + name, {"model", name});
+    }
+    if (rank == 1) {
+      writer.add_bytes("extra.count", [] {
+        const auto saved = torch::jit::pickle_save(c10::IValue(int64_t{7}));
+        return std::string(saved.data(), saved.size());
+      }());
+      writer.set_planner_path("extra.count", {"extra", "count"});
+    }
+    parts.push_back(writer.finish());
+  }
+  auto merged = dcp::merge_metadata(parts);
+  dcp::write_metadata(directory, merged);
+  return merged;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(flat_range_boxes_match_brute_force) {
+  const std::vector<std::vector<int64_t>> shapes = {{7}, {1}, {3, 4}, {1, 5}, {4, 1}, {2, 3, 4}, {3, 1, 2}, {2, 3, 2, 3}, {3, 2, 1, 4}};
+  int64_t checked = 0, expected = 0;
+  for (const auto& shape : shapes) {
+    const int64_t n = dcp::checked_numel(shape);
+    expected += (n + 1) * (n + 2) / 2;  // every 0 <= begin <= end <= n
+    const size_t limit = 2 * (shape.size() - 1) + 1;
+    for (int64_t begin = 0; begin <= n; ++begin) {
+      for (int64_t end = begin; end <= n; ++end) {
+        const auto boxes = dcp::flat_range_boxes(shape, begin, end);
+        BOOST_TEST_REQUIRE(boxes.size() <= limit);
+        // Every element of every box, in row-major order within the box, boxes in order: [begin, end).
+        std::vector<int64_t> elements;
+        for (const auto& [offsets, sizes] : boxes) {
+          BOOST_TEST_REQUIRE(dcp::box_is_flat_range(shape, sizes));
+          const int64_t count = dcp::checked_numel(sizes);
+          BOOST_TEST_REQUIRE(count > 0);
+          std::vector<int64_t> index(offsets);
+          for (int64_t e = 0; e < count; ++e) {
+            elements.push_back(dcp::box_flat_begin(shape, index));
+            for (size_t d = index.size(); d-- > 0;) {
+              if (++index[d] < offsets[d] + sizes[d]) break;
+              index[d] = offsets[d];
+            }
+          }
+          BOOST_TEST_REQUIRE(elements[elements.size() - count] == dcp::box_flat_begin(shape, offsets));
+        }
+        BOOST_TEST_REQUIRE(static_cast<int64_t>(elements.size()) == end - begin);
+        for (int64_t i = 0; i < end - begin; ++i) BOOST_TEST_REQUIRE(elements[i] == begin + i);
+        ++checked;
+      }
+    }
+  }
+  // A 0-dimensional tensor: one element, one box ({}, {}).
+  const auto scalar = dcp::flat_range_boxes({}, 0, 1);
+  BOOST_TEST(scalar.size() == 1u);
+  BOOST_TEST(scalar[0].first.empty());
+  BOOST_TEST(dcp::flat_range_boxes({}, 0, 0).empty());
+  BOOST_TEST(contains(error_of([] { dcp::flat_range_boxes({3, 4}, 5, 13); }), "not inside a tensor of 12 elements"));
+  std::cout << checked << " ranges checked\n";
+  BOOST_TEST(checked == expected);
+}
+
+BOOST_AUTO_TEST_CASE(cpp_reads_any_flat_range_of_its_checkpoint) {
+  TempDir dir;
+  const auto tensors = model_tensors();
+  const auto written = write_two_ranks(dir.path / "ck", tensors);
+  const auto metadata = dcp::read_metadata(dir.path / "ck");
+  BOOST_TEST(metadata.tensors.size() == tensors.size());
+  BOOST_TEST(metadata.bytes.size() == 1u);
+  dcp::DistcpReader reader(dir.path / "ck", metadata);
+  for (const auto& [name, tensor] : tensors) {
+    const auto& entry = metadata.tensors.at("model." + name);
+    BOOST_TEST(entry.dtype == tensor.scalar_type());
+    BOOST_TEST(entry.size == tensor.sizes().vec());
+    const auto flat = tensor.contiguous().view({-1});
+    const int64_t n = flat.numel();
+    // Every cut in 3, and the whole.
+    for (int64_t a = 0; a <= n; ++a) {
+      for (int64_t b = a; b <= n; b += std::max<int64_t>(1, n / 7)) {
+        for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, a}, {a, b}, {b, n}}) {
+          const auto part = reader.read_flat_range(entry, begin, end);
+          BOOST_TEST_REQUIRE(torch::equal(part, flat.narrow(0, begin, end - begin)), name << " [" << begin << ", " << end << ")");
+        }
+      }
+    }
+    // Each chunk whole, as the box of the tensor it is.
+    for (const auto& chunk : entry.chunks) {
+      auto box = tensor;
+      for (size_t d = 0; d < chunk.offsets.size(); ++d) box = box.narrow(static_cast<int64_t>(d), chunk.offsets[d], chunk.sizes[d]);
+      BOOST_TEST_REQUIRE(torch::equal(reader.read_chunk(chunk), box));
+    }
+  }
+  const std::string bytes = reader.read_bytes(metadata.bytes.at("extra.count"));
+  BOOST_TEST(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toInt() == 7);
+}
+
+BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precondition(python_211_present)) {
+  TempDir dir;
+  const auto tensors = model_tensors();
+  write_two_ranks(dir.path / "ck", tensors);
+  fs::create_directories(dir.path / "expected");
+  for (const auto& [name, tensor] : tensors) {
+    const auto saved = torch::jit::pickle_save(tensor.contiguous());
+    write_bytes(dir.path / "expected" / name, std::string(saved.data(), saved.size()));
+  }
+  const auto run = python(dir.path, "load_cpp");
+  BOOST_TEST(run.exit_code == 0);
+  BOOST_TEST(contains(run.output, "OK"));
+  for (const auto& [name, tensor] : tensors) BOOST_TEST(contains(run.output, "equal " + name + " "));
+}
+
+BOOST_AUTO_TEST_CASE(cpp_reads_python_checkpoints_bit_for_bit, *boost::unit_test::precondition(python_211_present)) {
+  TempDir dir;
+  const auto run = python(dir.path, "save");
+  BOOST_TEST_REQUIRE(run.exit_code == 0);
+  const auto metadata = dcp::read_metadata(dir.path / "py");
+  dcp::DistcpReader reader(dir.path / "py", metadata);
+  size_t compared = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path / "raw")) {
+    const std::string fqn = entry.path().filename().string();
+    const std::string raw = read_file(entry.path());
+    BOOST_TEST_REQUIRE(metadata.tensors.count(fqn) == 1u, fqn);
+    const auto& tensor = metadata.tensors.at(fqn);
+    const auto whole = reader.read_flat_range(tensor, 0, dcp::checked_numel(tensor.size));
+    BOOST_TEST_REQUIRE(static_cast<size_t>(whole.nbytes()) == raw.size(), fqn);
+    BOOST_TEST(std::memcmp(whole.data_ptr(), raw.data(), raw.size()) == 0, fqn);
+    for (const auto& chunk : tensor.chunks) BOOST_TEST(static_cast<size_t>(reader.read_chunk(chunk).nbytes()) == raw.size());
+    ++compared;
+  }
+  BOOST_TEST(compared == 15u);  // 7 of the model (BatchNorm's num_batches_tracked too), 3 of optim, 5 extra
+  BOOST_TEST(metadata.tensors.at("model.1.num_batches_tracked").dtype == torch::kLong);
+  BOOST_TEST(metadata.tensors.at("extra.bf16").dtype == torch::kBFloat16);
+  BOOST_TEST(metadata.bytes.count("optim.param_groups.0.lr") == 1u);
+  BOOST_TEST(metadata.bytes.count("optim.param_groups.0.params") == 1u);
+  BOOST_TEST((metadata.planner_data.at("optim.param_groups.0.lr") == std::vector<std::string>{"optim", "param_groups", "0", "lr"}));
+  BOOST_TEST((metadata.planner_int_elements.at("optim.param_groups.0.lr") == std::vector<size_t>{2}));
+  BOOST_TEST((metadata.planner_data.at("optim.state.fc.weight.exp_avg") ==
+              std::vector<std::string>{"optim", "state", "fc.weight", "exp_avg"}));
+  for (const auto& [fqn, entry] : metadata.bytes) {
+    const std::string bytes = reader.read_bytes(entry);
+    BOOST_TEST(bytes.substr(0, 2) == "PK", fqn);  // a torch.save archive
+  }
+}
+
+BOOST_AUTO_TEST_CASE(metadata_pickle_round_trips) {
+  dcp::Metadata metadata;
+  auto& entry = metadata.tensors["model.w"];
+  entry.fqn = "model.w";
+  entry.dtype = torch::kBFloat16;
+  entry.size = {4, 3};
+  entry.requires_grad = true;
+  entry.chunks.push_back({{0, 0}, {1, 3}, "__0_0.distcp", 0, 1000});
+  entry.chunks.push_back({{1, 0}, {3, 3}, "__1_0.distcp", int64_t{5} << 33, 1001});
+  auto& scalar = metadata.tensors["s"];
+  scalar.fqn = "s";
+  scalar.dtype = torch::kLong;
+  scalar.chunks.push_back({{}, {}, "__0_0.distcp", 1000, 7});
+  metadata.bytes["optim.param_groups.0.lr"] = {"optim.param_groups.0.lr", "__1_0.distcp", 2001, 12};
+  metadata.planner_data["model.w"] = {"model", "w"};
+  metadata.planner_data["optim.param_groups.0.lr"] = {"optim", "param_groups", "0", "lr"};
+  metadata.planner_int_elements["optim.param_groups.0.lr"] = {2};
+  const auto back = dcp::parse_metadata(dcp::metadata_pickle(metadata), "round trip");
+  BOOST_TEST(back.tensors.size() == 2u);
+  const auto& w = back.tensors.at("model.w");
+  BOOST_TEST(w.dtype == torch::kBFloat16);
+  BOOST_TEST(w.requires_grad);
+  BOOST_TEST((w.size == std::vector<int64_t>{4, 3}));
+  BOOST_TEST_REQUIRE(w.chunks.size() == 2u);
+  BOOST_TEST((w.chunks[1].offsets == std::vector<int64_t>{1, 0}));
+  BOOST_TEST((w.chunks[1].sizes == std::vector<int64_t>{3, 3}));
+  BOOST_TEST(w.chunks[1].relative_path == "__1_0.distcp");
+  BOOST_TEST(w.chunks[1].offset == int64_t{5} << 33);
+  BOOST_TEST(w.chunks[1].length == 1001);
+  BOOST_TEST(back.tensors.at("s").size.empty());
+  BOOST_TEST(back.tensors.at("s").chunks.at(0).length == 7);
+  BOOST_TEST(back.bytes.at("optim.param_groups.0.lr").offset == 2001);
+  BOOST_TEST(back.bytes.at("optim.param_groups.0.lr").length == 12);
+  BOOST_TEST(back.planner_data.at("model.w") == metadata.planner_data.at("model.w"));
+  BOOST_TEST(back.planner_data.at("optim.param_groups.0.lr") == metadata.planner_data.at("optim.param_groups.0.lr"));
+  BOOST_TEST(back.planner_data.size() == 3u);
+  BOOST_TEST(back.planner_int_elements == metadata.planner_int_elements);
+  // The key without a planner path has its own name as its path.
+  BOOST_TEST((back.planner_data.at("s") == std::vector<std::string>{"s"}));
+}
