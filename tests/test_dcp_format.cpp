@@ -15,6 +15,7 @@
 #include <trainloop/serialization/dcp/flat_range_boxes.hpp>
 #include <trainloop/serialization/dcp/metadata_file.hpp>
 
+#include <caffe2/serialize/inline_container.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -195,6 +196,81 @@ dcp::Metadata write_two_ranks(const fs::path& directory, const std::map<std::str
   return merged;
 }
 
+// ---- Crafted items and pickles ---------------------------------------------------------------------
+
+/// A pickle being written, opcode by opcode (protocol 2, as torch.save writes data.pkl).
+struct Pickle {
+  std::string bytes = std::string("\x80\x02", 2);
+  Pickle& op(char opcode) { return bytes += opcode, *this; }
+  Pickle& text(const std::string& value) {  // BINUNICODE
+    op('X');
+    for (int i = 0; i < 4; ++i) bytes += static_cast<char>((value.size() >> (8 * i)) & 0xff);
+    bytes += value;
+    return *this;
+  }
+  Pickle& global(const std::string& module, const std::string& name) { return op('c'), bytes += module + "\n" + name + "\n", *this; }
+  Pickle& integer(int64_t value) {  // LONG1 of 8 bytes
+    op('\x8a').op('\x08');
+    for (int i = 0; i < 8; ++i) bytes += static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff);
+    return *this;
+  }
+  Pickle& ints(const std::vector<int64_t>& values) {
+    op('(');
+    for (auto value : values) integer(value);
+    return op('t');
+  }
+  /// `_rebuild_tensor_v2(('storage', torch.FloatStorage, '0', location, numel), offset, size, stride, False, OrderedDict())`.
+  Pickle& tensor(int64_t numel, int64_t offset, const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
+                 const std::string& location = "cpu") {
+    global("torch._utils", "_rebuild_tensor_v2").op('(');
+    op('(').text("storage").global("torch", "FloatStorage").text("0").text(location).integer(numel).op('t').op('Q');
+    integer(offset).ints(size).ints(stride).op('\x89');
+    global("collections", "OrderedDict").op(')').op('R');
+    return op('t').op('R');
+  }
+  std::string stop() { return bytes + "."; }
+};
+
+/// A torch archive of `pickle` as data.pkl and `storage` as data/0, as libtorch's writer makes it.
+std::string archive_of(const std::string& pickle, const std::string& storage) {
+  std::string out;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+      out.append(static_cast<const char*>(data), size);
+      return size;
+    });
+    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+    writer.writeRecord("data/0", storage.data(), storage.size());
+    writer.writeEndOfFile();
+  }
+  return out;
+}
+
+/// A checkpoint of one float tensor "t" of `size` whose one chunk is the item `item`.
+dcp::Metadata one_item_checkpoint(const fs::path& directory, const std::string& item, const std::vector<int64_t>& size) {
+  fs::create_directories(directory);
+  write_bytes(directory / "__0_0.distcp", "padding" + item);
+  dcp::Metadata metadata;
+  auto& entry = metadata.tensors["t"];
+  entry.fqn = "t";
+  entry.size = size;
+  entry.chunks.push_back({std::vector<int64_t>(size.size(), 0), size, "__0_0.distcp", 7, static_cast<int64_t>(item.size())});
+  dcp::write_metadata(directory, metadata);
+  return metadata;
+}
+
+/// The error of reading every chunk of every tensor of the checkpoint in `directory`.
+std::string read_error(const fs::path& directory) {
+  return error_of([&] {
+    const auto metadata = dcp::read_metadata(directory);
+    dcp::DistcpReader reader(directory, metadata);
+    for (const auto& [fqn, entry] : metadata.tensors) {
+      for (const auto& chunk : entry.chunks) reader.read_chunk(chunk);
+      reader.read_flat_range(entry, 0, dcp::checked_numel(entry.size));
+    }
+  });
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(flat_range_boxes_match_brute_force) {
@@ -361,4 +437,141 @@ BOOST_AUTO_TEST_CASE(metadata_pickle_round_trips) {
   BOOST_TEST(back.planner_int_elements == metadata.planner_int_elements);
   // The key without a planner path has its own name as its path.
   BOOST_TEST((back.planner_data.at("s") == std::vector<std::string>{"s"}));
+}
+
+BOOST_AUTO_TEST_CASE(bad_checkpoints_are_clear_errors_naming_the_file) {
+  TempDir dir;
+  const auto metadata = write_two_ranks(dir.path / "ck", model_tensors());
+  auto copy_of = [&](const std::string& name) {
+    fs::copy(dir.path / "ck", dir.path / name, fs::copy_options::recursive);
+    return dir.path / name;
+  };
+  BOOST_TEST(read_error(dir.path / "ck") == "<no trainloop::Error was thrown>");
+  // A data file missing; cut short.
+  const auto missing = copy_of("missing");
+  fs::remove(missing / "__1_0.distcp");
+  const auto missing_error = read_error(missing);
+  BOOST_TEST(contains(missing_error, (missing / "__1_0.distcp").string()));
+  BOOST_TEST(contains(missing_error, "does not exist"));
+  const auto cut = copy_of("cut");
+  fs::resize_file(cut / "__1_0.distcp", fs::file_size(cut / "__1_0.distcp") - 100);
+  BOOST_TEST(contains(read_error(cut), (cut / "__1_0.distcp").string()));
+  BOOST_TEST(contains(read_error(cut), "expected every item inside its file (is the file truncated?)"));
+  // An item's range outside its file.
+  auto moved = metadata;
+  moved.tensors.at("model.w1").chunks.at(0).offset = int64_t{1} << 40;
+  const auto outside = copy_of("outside");
+  dcp::write_metadata(outside, moved);
+  BOOST_TEST(contains(read_error(outside), (outside / "__0_0.distcp").string() + " has "));
+  BOOST_TEST(contains(read_error(outside), "the item of model.w1 is at bytes 1099511627776-"));
+  // The metadata names a file that is not there, or one outside the directory.
+  auto elsewhere = metadata;
+  elsewhere.tensors.at("model.w3").chunks.at(0).relative_path = "__7_0.distcp";
+  const auto absent = copy_of("absent");
+  dcp::write_metadata(absent, elsewhere);
+  BOOST_TEST(contains(read_error(absent), (absent / "__7_0.distcp").string() + ", which " + (absent / ".metadata").string() +
+                                               " names for model.w3, does not exist"));
+  elsewhere.tensors.at("model.w3").chunks.at(0).relative_path = "../ck/__0_0.distcp";
+  dcp::write_metadata(absent, elsewhere);
+  BOOST_TEST(contains(read_error(absent), "expected a file name in the checkpoint's directory"));
+  // An item that is not a tensor (the bytes value's), one that is no archive, of another dtype or shape.
+  const auto& bytes = metadata.bytes.at("extra.count");
+  auto retarget = [&](const std::string& name, auto&& change) {
+    auto changed = metadata;
+    change(changed.tensors.at("model.scalar"), changed.tensors.at("model.scalar").chunks.at(0));
+    const auto directory = copy_of(name);
+    dcp::write_metadata(directory, changed);
+    return read_error(directory);
+  };
+  const auto not_tensor = retarget("not_tensor", [&](dcp::TensorEntry&, dcp::StoredChunk& chunk) {
+    chunk.relative_path = bytes.relative_path;
+    chunk.offset = bytes.offset;
+    chunk.length = bytes.length;
+  });
+  BOOST_TEST(contains(not_tensor, "__1_0.distcp's item at bytes "));
+  BOOST_TEST(contains(not_tensor, "holds an int of 0 storages; expected one tensor"));
+  const auto not_archive = retarget("not_archive", [&](dcp::TensorEntry&, dcp::StoredChunk& chunk) { chunk.offset += 1; });
+  BOOST_TEST(contains(not_archive, "is truncated or corrupt (a zip archive at bytes "));
+  const auto dtype = retarget("dtype", [&](dcp::TensorEntry& entry, dcp::StoredChunk&) { entry.dtype = torch::kDouble; });
+  BOOST_TEST(contains(dtype, "holds a Float tensor of size [] for model.scalar; expected Double of size []"));
+  auto reshaped = metadata;
+  auto& w1 = reshaped.tensors.at("model.w1");
+  std::swap(w1.size[0], w1.size[1]);
+  for (auto& chunk : w1.chunks) {
+    std::swap(chunk.offsets[0], chunk.offsets[1]);
+    std::swap(chunk.sizes[0], chunk.sizes[1]);
+  }
+  const auto shape_dir = copy_of("shape");
+  dcp::write_metadata(shape_dir, reshaped);
+  BOOST_TEST(contains(read_error(shape_dir), "holds a Float tensor of size [2, 7] for model.w1; expected Float of size [7, 2]"));
+  // Chunks that overlap, or leave elements out.
+  auto overlapping = metadata;
+  overlapping.tensors.at("model.w3").chunks.at(1).offsets = {0};
+  const auto overlap_dir = copy_of("overlap");
+  dcp::write_metadata(overlap_dir, overlapping);
+  BOOST_TEST(contains(read_error(overlap_dir), "the tensor model.w3 has chunks that overlap"));
+  BOOST_TEST(contains(error_of([&] { dcp::merge_metadata({overlapping}); }), "the tensor model.w3 has chunks that overlap"));
+  auto partial = metadata;
+  partial.tensors.at("model.w4").chunks.pop_back();
+  BOOST_TEST(contains(error_of([&] { dcp::merge_metadata({partial}); }), "the tensor model.w4 has chunks of "));
+  auto other_size = metadata;
+  other_size.tensors.at("model.w2").size = {4, 6};
+  BOOST_TEST(contains(error_of([&] { dcp::merge_metadata({metadata, other_size}); }),
+                      "the DCP parts disagree on the tensor model.w2: part 1 has BFloat16 of size [4, 6]"));
+}
+
+BOOST_AUTO_TEST_CASE(crafted_items_are_refused_before_their_claims_are_allocated) {
+  TempDir dir;
+  const std::string four_floats(16, '\0');
+  // A storage on a GPU; a view of 10^12 elements (stride 0) of a 4-element storage; a view past
+  // its storage; a storage record of another size; a pickle that is not a tensor.
+  const auto cuda = one_item_checkpoint(dir.path / "cuda", archive_of(Pickle().tensor(4, 0, {4}, {1}, "cuda:0").stop(), four_floats), {4});
+  BOOST_TEST(contains(read_error(dir.path / "cuda"), "a storage located at \"cuda:0\"; expected \"cpu\""));
+  one_item_checkpoint(dir.path / "bomb", archive_of(Pickle().tensor(4, 0, {1000000, 1000000}, {0, 0}).stop(), four_floats), {1000000, 1000000});
+  BOOST_TEST(contains(read_error(dir.path / "bomb"), "is a view of 1000000000000 elements of a storage of 4"));
+  one_item_checkpoint(dir.path / "past", archive_of(Pickle().tensor(4, 2, {4}, {1}).stop(), four_floats), {4});
+  BOOST_TEST(contains(read_error(dir.path / "past"), "reaches past its storage of 4 elements"));
+  one_item_checkpoint(dir.path / "short", archive_of(Pickle().tensor(8, 0, {8}, {1}).stop(), four_floats), {8});
+  BOOST_TEST(contains(read_error(dir.path / "short"), "has 16 bytes for 8 Float elements; expected 32"));
+  one_item_checkpoint(dir.path / "gadget", archive_of(Pickle().global("os", "system").text("touch pwned").op('\x85').op('R').stop(), ""), {4});
+  const auto gadget = read_error(dir.path / "gadget");
+  BOOST_TEST(contains(gadget, (dir.path / "gadget" / "__0_0.distcp").string()));
+  BOOST_TEST(contains(gadget, "the global \"os.system\""));
+  // A transposed view (as Python saves base.t()) is read in its own order.
+  one_item_checkpoint(dir.path / "transposed", archive_of(Pickle().tensor(6, 0, {3, 2}, {1, 3}).stop(), [] {
+    std::string floats;
+    for (float value : {0.f, 1.f, 2.f, 3.f, 4.f, 5.f}) floats.append(reinterpret_cast<const char*>(&value), sizeof value);
+    return floats;
+  }()), {3, 2});
+  const auto metadata = dcp::read_metadata(dir.path / "transposed");
+  dcp::DistcpReader reader(dir.path / "transposed", metadata);
+  BOOST_TEST(torch::equal(reader.read_flat_range(metadata.tensors.at("t"), 1, 5), torch::tensor({3.f, 1.f, 4.f, 2.f})));
+}
+
+BOOST_AUTO_TEST_CASE(bad_metadata_is_a_clear_error_and_runs_no_code) {
+  TempDir dir;
+  const auto metadata_path = (dir.path / ".metadata").string();
+  BOOST_TEST(contains(error_of([&] { dcp::read_metadata(dir.path); }), metadata_path + " does not exist"));
+  auto with_metadata = [&](const std::string& bytes) {
+    write_bytes(dir.path / ".metadata", bytes);
+    return error_of([&] { dcp::read_metadata(dir.path); });
+  };
+  // Code: os.system, builtins.eval, getattr of anything but the memory-format enum; nothing runs.
+  const auto system = with_metadata(Pickle().global("os", "system").text("touch " + (dir.path / "pwned").string()).op('\x85').op('R').stop());
+  BOOST_TEST(contains(system, metadata_path));
+  BOOST_TEST(contains(system, "the global \"os.system\"; expected only the names torch.distributed.checkpoint's .metadata uses"));
+  BOOST_TEST(contains(with_metadata(Pickle().global("builtins", "eval").text("1+1").op('\x85').op('R').stop()), "the global \"builtins.eval\""));
+  BOOST_TEST(contains(with_metadata(Pickle().global("builtins", "getattr").global("torch", "Size").text("__init__").op('\x86').op('R').stop()),
+                      "expected nothing else of getattr"));
+  BOOST_TEST(!fs::exists(dir.path / "pwned"));
+  // Not DCP's Metadata, cut short, garbage, a tensor pickle.
+  BOOST_TEST(contains(with_metadata(Pickle().integer(3).stop()), "has a root that is an int; expected a torch.distributed.checkpoint.metadata.Metadata"));
+  dcp::Metadata small;
+  small.bytes["x"] = {"x", "__0_0.distcp", 0, 1};
+  const std::string good = dcp::metadata_pickle(small);
+  BOOST_TEST(contains(with_metadata(good.substr(0, good.size() / 2)), "is not a pickle of DCP's Metadata (at byte "));
+  BOOST_TEST(contains(with_metadata("not a pickle"), "is not a pickle of DCP's Metadata"));
+  BOOST_TEST(contains(with_metadata(Pickle().tensor(4, 0, {4}, {1}).stop()), "the global \"torch._utils._rebuild_tensor_v2\""));
+  // The whole pickle is fine, but its file is not there.
+  BOOST_TEST(contains(with_metadata(good), (dir.path / "__0_0.distcp").string() + ", which " + metadata_path + " names for x, does not exist"));
 }
