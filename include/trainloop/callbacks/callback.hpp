@@ -52,6 +52,36 @@
 
 namespace trainloop {
 
+/// @brief A copy of the model's weights as this rank holds them (TrainState::copy_own_weights).
+struct OwnWeights {
+  /// Whole: the parameters, then the buffers (registration order). Shares: this rank's chunk of
+  /// each sharding unit, then the buffers (whole on every rank).
+  std::vector<torch::Tensor> tensors;
+  /// True for shares: only this rank, in this fit (same layout and world size), can put them back.
+  bool shares = false;
+};
+
+/// @brief TrainState::whole_weights()'s scope: frees the whole weights when it ends.
+class WholeWeightsScope {
+ public:
+  /// @param free what frees them (TrainState::free_whole_weights; may be empty)
+  explicit WholeWeightsScope(std::function<void()> free) : free_(std::move(free)) {}
+  WholeWeightsScope(WholeWeightsScope&& other) noexcept : free_(std::exchange(other.free_, {})) {}
+  WholeWeightsScope(const WholeWeightsScope&) = delete;
+  WholeWeightsScope& operator=(const WholeWeightsScope&) = delete;
+  WholeWeightsScope& operator=(WholeWeightsScope&&) = delete;
+  ~WholeWeightsScope() {
+    if (!free_) return;
+    try {
+      free_();
+    } catch (...) {  // the next batch frees them anyway (a destructor must not throw)
+    }
+  }
+
+ private:
+  std::function<void()> free_;
+};
+
 /// @brief What every hook sees: where training stands, the model and optimizer, this process's
 /// place in the job, and the loop's services (stop, agree, checkpoint).
 struct TrainState {
@@ -112,6 +142,32 @@ struct TrainState {
   std::function<double(double)> mean_over_ranks;
   /// Optimizer steps skipped so far because fp16 gradients overflowed (every rank skips the same).
   int64_t skipped_steps = 0;
+  // ---- the weights under sharding ------------------------------------------------------------
+  // gpu_mode::FullyShardedDataParallel at sharding full keeps only this rank's chunk of each
+  // unit during a fit: between the operators that use them, `model`'s parameters keep their sizes
+  // but have no memory, so a hook that reads them (on_epoch_end, on_fit_end...) asks first. In
+  // every other mode the model is whole and these cost nothing.
+  /// Makes every parameter of `model` whole on this rank until free_whole_weights(), or the next
+  /// training batch or evaluation. A collective, like any_rank: every rank calls it at the same
+  /// point, so from a callback that runs on every rank (main_process_only() false; a main-process
+  /// callback that needs the weights gets them from one that does).
+  std::function<void()> gather_whole_weights;
+  /// Frees what gather_whole_weights() gathered; what a hook changed in the whole weights stays
+  /// (every rank must change them alike). No collective.
+  std::function<void()> free_whole_weights;
+  /// @brief gather_whole_weights() now, free_whole_weights() when the returned scope ends: call
+  /// it on every rank (see gather_whole_weights).
+  [[nodiscard]] WholeWeightsScope whole_weights() {
+    if (gather_whole_weights) gather_whole_weights();
+    return WholeWeightsScope(free_whole_weights);
+  }
+  /// A copy of the weights as this rank holds them, without a gather: whole, or under sharding
+  /// full this rank's shares (EarlyStopping's best weights: 1/W of the model per rank). No collective.
+  std::function<OwnWeights()> copy_own_weights;
+  /// Puts a copy_own_weights() of this fit back (every rank its own, of the same moment: the model
+  /// is then that moment's on every rank). No collective.
+  std::function<void(const OwnWeights&)> restore_own_weights;
+
   /// Writes a checkpoint of everything needed to resume exactly (model, optimizer, callbacks'
   /// states, progress, random number generators of every rank) to `path`: rank 0 writes it
   /// atomically, every rank learns whether it worked. A collective, like any_rank.

@@ -13,6 +13,13 @@
 /// Under DDP every rank runs it on the same, all-reduced epoch record, and the loop makes every
 /// rank agree on the stop before any leaves (TrainState::request_stop), so no rank is left
 /// waiting in a collective. Its counters and best weights travel in checkpoints.
+///
+/// The best weights are kept as each rank holds them (TrainState::copy_own_weights): under
+/// gpu_mode::FullyShardedDataParallel at sharding full that is this rank's shares of the
+/// parameters (1/W of the model, no gather), put back at the end exactly as plain DDP puts back
+/// its whole copy. Shares cannot travel in a checkpoint (rank 0 writes it; every rank would read
+/// rank 0's): a checkpoint then keeps the counters only, and a resumed fit restores the best
+/// weights only if a new best epoch comes (it says so on stderr otherwise).
 
 #include <trainloop/callbacks/callback.hpp>
 #include <trainloop/callbacks/monitor.hpp>
@@ -23,6 +30,7 @@
 
 #include <torch/torch.h>
 
+#include <iostream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -64,7 +72,7 @@ class EarlyStopping : public Callback {
       best_ = value;
       best_epoch_ = record.epoch;
       waited_ = 0;
-      if (options_.restore_best_weights()) keep_weights(*state.model);
+      if (options_.restore_best_weights()) keep_weights(state);
     } else if (++waited_ >= options_.patience()) {
       stopped_epoch_ = record.epoch;
       state.request_stop(detail::concat("EarlyStopping: ", options_.monitor(), " did not improve for ", waited_,
@@ -73,7 +81,18 @@ class EarlyStopping : public Callback {
   }
 
   void on_fit_end(TrainState& state, const History&) override {
-    if (!options_.restore_best_weights() || best_weights_.empty()) return;
+    if (!options_.restore_best_weights()) return;
+    if (best_weights_.empty()) {
+      if (best_weights_lost_) {
+        std::cerr << "trainloop: EarlyStopping did not restore the weights of epoch " << best_epoch_ << ": they were "
+                  << "kept as shares, which checkpoints do not hold, and no better epoch came after the resume\n";
+      }
+      return;
+    }
+    if (state.restore_own_weights) {
+      state.restore_own_weights(OwnWeights{best_weights_, best_are_shares_});
+      return;
+    }
     torch::NoGradGuard no_grad;
     auto targets = detail::state_tensors(*state.model);
     TRAINLOOP_CHECK(targets.size() == best_weights_.size(), "EarlyStopping kept ", best_weights_.size(),
@@ -85,6 +104,10 @@ class EarlyStopping : public Callback {
     archive.write("counters", torch::tensor({best_, static_cast<double>(best_epoch_), static_cast<double>(waited_),
                                              static_cast<double>(stopped_epoch_)},
                                             torch::kFloat64));
+    if (best_are_shares_ && !best_weights_.empty()) {
+      archive.write("best_weights_were_shares", torch::ones({1}));  // rank 0's shares alone restore nothing
+      return;
+    }
     for (size_t i = 0; i < best_weights_.size(); ++i) archive.write("best_weight_" + std::to_string(i), best_weights_[i]);
   }
   void load_state(torch::serialize::InputArchive& archive) override {
@@ -95,6 +118,9 @@ class EarlyStopping : public Callback {
     waited_ = static_cast<int64_t>(counters[2].item<double>());
     stopped_epoch_ = static_cast<int64_t>(counters[3].item<double>());
     best_weights_.clear();
+    best_are_shares_ = false;
+    torch::Tensor were_shares;
+    best_weights_lost_ = archive.try_read("best_weights_were_shares", were_shares);
     for (torch::Tensor weight; archive.try_read("best_weight_" + std::to_string(best_weights_.size()), weight);) {
       best_weights_.push_back(weight);
       weight = torch::Tensor();
@@ -109,9 +135,17 @@ class EarlyStopping : public Callback {
   int64_t stopped_epoch() const { return stopped_epoch_; }
 
  private:
-  void keep_weights(torch::nn::Module& model) {
+  void keep_weights(TrainState& state) {
+    best_weights_lost_ = false;
+    if (state.copy_own_weights) {
+      OwnWeights own = state.copy_own_weights();
+      best_weights_ = std::move(own.tensors);
+      best_are_shares_ = own.shares;
+      return;
+    }
     best_weights_.clear();
-    for (const auto& t : detail::state_tensors(model)) best_weights_.push_back(t.detach().clone());
+    best_are_shares_ = false;
+    for (const auto& t : detail::state_tensors(*state.model)) best_weights_.push_back(t.detach().clone());
   }
 
   EarlyStoppingOptions options_;
@@ -120,6 +154,8 @@ class EarlyStopping : public Callback {
   int64_t waited_ = 0;
   int64_t stopped_epoch_ = 0;
   std::vector<torch::Tensor> best_weights_;
+  bool best_are_shares_ = false;   // best_weights_ are this rank's shares (TrainState::copy_own_weights)
+  bool best_weights_lost_ = false; // a resumed checkpoint had shares in their place
 };
 
 }  // namespace trainloop

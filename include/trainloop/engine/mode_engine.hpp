@@ -29,8 +29,9 @@
 /// A mode may also define optional members (optimizer_step for the whole step,
 /// train_without_samples for exact uneven batches, gradients_agree, stepped_parameters,
 /// clip_grad_norm, step_optimizer, zero_grad, save_optimizer_state, load_optimizer_state,
-/// unshard_parameters, run_fit): engine/optional_members.hpp lists every one with what the loop
-/// does without it.
+/// unshard_parameters, reshard_parameters, evaluates_in_lockstep, parameter_shares,
+/// load_parameter_shares, run_fit): engine/optional_members.hpp lists every one with what the
+/// loop does without it.
 ///
 /// A mode that trains in one process derives its engine from OneProcessEngine
 /// (engine/one_process_engine.hpp), which holds every identity member of the table (rank 0 of 1,

@@ -31,12 +31,24 @@
 /// | load_optimizer_state(optimizer, archive)          | resuming, on every rank; throws when the state does   |
 /// |                                                   | not fit (the loop then puts the previous state back). |
 /// |                                                   | Default: checked and loaded in libtorch's format      |
-/// | unshard_parameters()                              | before evaluation, prediction, writing a checkpoint,  |
-/// |                                                   | on_epoch_end and on_fit_end, on every rank (a         |
-/// |                                                   | collective; callbacks may read the weights): a mode   |
-/// |                                                   | that keeps a share of the parameters between steps    |
-/// |                                                   | makes them whole (fsdp at full). Default:            |
+/// | unshard_parameters()                              | every parameter whole on every rank (a collective):   |
+/// |                                                   | before writing a checkpoint, before evaluation or     |
+/// |                                                   | prediction not in lockstep, and when a callback asks  |
+/// |                                                   | (TrainState::gather_whole_weights). A mode that keeps |
+/// |                                                   | a share of the parameters between uses defines it     |
+/// |                                                   | (fsdp at full). Default: nothing                      |
+/// | reshard_parameters()                              | frees what unshard_parameters() gathered, keeping     |
+/// |                                                   | changes (TrainState::free_whole_weights). Default:    |
 /// |                                                   | nothing                                               |
+/// | evaluates_in_lockstep()                           | true: evaluation's batches are collectives (fsdp at   |
+/// |                                                   | full gathers units as operators read them), so every  |
+/// |                                                   | rank runs as many (loop/evaluation.hpp: one all-gather|
+/// |                                                   | of the counts; a rank out of batches runs a discarded |
+/// |                                                   | forward). Default: false                              |
+/// | parameter_shares(), load_parameter_shares(shares) | copies of this rank's shares of the parameters        |
+/// |                                                   | (std::optional: none while they are whole) and        |
+/// |                                                   | putting them back (TrainState::copy_own_weights,      |
+/// |                                                   | EarlyStopping's best weights). Default: whole copies  |
 /// | run_fit(actions, resume)                          | wraps a whole fit (DDP launches ranks or ends a       |
 /// |                                                   | spawned one). Default: actions.train(resume)          |
 /// | cannot_train (static text)                        | what the mode says about a model or batch it cannot   |
@@ -46,7 +58,8 @@
 /// optimizer state on every rank, so the loop can clip by the local norm and let rank 0 write its
 /// optimizer. A sharded mode cannot: its rank r holds only shard r of the optimizer state (DDP
 /// with ZeRO-1) and perhaps of the gradients; it defines clip_grad_norm, step_optimizer and the
-/// two checkpoint members (FullyShardedDataParallel also stepped_parameters and unshard_parameters).
+/// two checkpoint members (FullyShardedDataParallel also stepped_parameters, the members of whole
+/// and shared parameters and evaluates_in_lockstep).
 ///
 /// The archive is the checkpoint's `__trainloop__/optimizer` entry; a sharded engine chooses its
 /// layout (for example one sub-archive per rank, or the shards gathered into libtorch's layout so
@@ -55,14 +68,16 @@
 /// loader's to check. Checked by tests/test_user_mode.cpp; DDP's ZeRO-1
 /// (distributed/zero/zero_optimizer_shard.hpp) uses step_optimizer and both checkpoint members;
 /// gpu_mode::FullyShardedDataParallel fills every seam of the step (its gradients are chunks) and
-/// defines unshard_parameters.
+/// defines the parameter members (tests/test_sharded_evaluation.cpp).
 
+#include <trainloop/error.hpp>
 #include <trainloop/optim/optimizer_state.hpp>
 
 #include <torch/torch.h>
 
 #include <concepts>
 #include <functional>
+#include <optional>
 #include <vector>
 
 namespace trainloop::detail {
@@ -133,6 +148,46 @@ void step_optimizer(Engine& engine, torch::optim::Optimizer& optimizer) {
 template <class Engine>
 void unshard_parameters(Engine& engine) {
   if constexpr (requires { engine.unshard_parameters(); }) engine.unshard_parameters();
+}
+
+/// Frees what unshard_parameters() gathered, keeping what changed in it: the engine's
+/// reshard_parameters() when it has one (no collective), nothing otherwise.
+template <class Engine>
+void reshard_parameters(Engine& engine) {
+  if constexpr (requires { engine.reshard_parameters(); }) engine.reshard_parameters();
+}
+
+/// Whether every rank must run as many evaluation batches (the engine's evaluates_in_lockstep());
+/// false by default.
+template <class Engine>
+bool evaluates_in_lockstep(Engine& engine) {
+  if constexpr (requires { { engine.evaluates_in_lockstep() } -> std::convertible_to<bool>; }) {
+    return engine.evaluates_in_lockstep();
+  } else {
+    return false;
+  }
+}
+
+/// Copies of this rank's shares of the parameters when the engine keeps shares now (its
+/// parameter_shares()), else nothing: the parameters are whole.
+template <class Engine>
+std::optional<std::vector<torch::Tensor>> parameter_shares(Engine& engine) {
+  if constexpr (requires { { engine.parameter_shares() } -> std::convertible_to<std::optional<std::vector<torch::Tensor>>>; }) {
+    return engine.parameter_shares();
+  } else {
+    return std::nullopt;
+  }
+}
+
+/// Puts shares parameter_shares() returned back (the engine's load_parameter_shares).
+/// @throws trainloop::Error for an engine that keeps no shares.
+template <class Engine>
+void load_parameter_shares(Engine& engine, const std::vector<torch::Tensor>& shares) {
+  if constexpr (requires { engine.load_parameter_shares(shares); }) {
+    engine.load_parameter_shares(shares);
+  } else {
+    throw Error("trainloop: parameter shares were put back in a mode that keeps none; expected the mode that made them");
+  }
 }
 
 /// The optimizer part of a checkpoint, on every rank: the engine's save_optimizer_state when it

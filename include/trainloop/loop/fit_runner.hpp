@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <exception>
 #include <filesystem>
 #include <iostream>
@@ -104,7 +105,8 @@ class FitRunner {
       train_epochs(engine, run);
       progress_.fit_finished = true;
       run.visible = progress_.visible_history();
-      unshard_parameters(engine);  // callbacks may read the weights (EarlyStopping restores its best)
+      // No whole-model gather here: a callback that reads the weights asks (TrainState::whole_weights),
+      // and end_fit() hands the caller the whole model.
       notify_callbacks(run, "on_fit_end", [&](Callback& cb) { cb.on_fit_end(run.state, run.visible); });
     } catch (...) {
       error = std::current_exception();
@@ -209,6 +211,48 @@ class FitRunner {
     state.save_checkpoint = [this, &engine, keyed](const std::filesystem::path& path) {
       save_checkpoint(engine, keyed, path, engine.is_main());
     };
+    describe_weights(engine, state);
+  }
+
+  /// The TrainState's services for the weights (whole on demand, this rank's own copy): the
+  /// engine's parameter members (engine/optional_members.hpp).
+  template <ModeEngine Engine>
+  void describe_weights(Engine& engine, TrainState& state) {
+    state.gather_whole_weights = [&engine] { unshard_parameters(engine); };
+    state.free_whole_weights = [&engine] { reshard_parameters(engine); };
+    state.copy_own_weights = [this, &engine] {
+      torch::NoGradGuard no_grad;
+      OwnWeights own;
+      if (auto shares = parameter_shares(engine)) {
+        own.tensors = std::move(*shares);
+        own.shares = true;
+      } else {
+        for (const auto& parameter : module_.parameters()) own.tensors.push_back(parameter.detach().clone());
+      }
+      for (const auto& buffer : module_.buffers()) own.tensors.push_back(buffer.detach().clone());
+      return own;
+    };
+    state.restore_own_weights = [this, &engine](const OwnWeights& own) {
+      torch::NoGradGuard no_grad;
+      auto buffers = module_.buffers();
+      TRAINLOOP_CHECK(own.tensors.size() >= buffers.size(), "the weights put back hold ", own.tensors.size(),
+                      " tensors and the model has ", buffers.size(), " buffers; expected a copy of this model");
+      const auto first_buffer = own.tensors.end() - static_cast<std::ptrdiff_t>(buffers.size());
+      if (own.shares) {
+        load_parameter_shares(engine, std::vector<torch::Tensor>(own.tensors.begin(), first_buffer));
+      } else {
+        auto parameters = module_.parameters();
+        TRAINLOOP_CHECK(own.tensors.size() == parameters.size() + buffers.size(), "the weights put back hold ",
+                        own.tensors.size(), " tensors but the model has ", parameters.size() + buffers.size(),
+                        "; expected the same model");
+        // Whole weights into shares (a copy made before the fit sharded them): through the whole model.
+        const bool sharded = evaluates_in_lockstep(engine);  // the engine keeps shares now
+        if (sharded) unshard_parameters(engine);
+        for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(own.tensors[i]);
+        if (sharded) reshard_parameters(engine);
+      }
+      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(*(first_buffer + static_cast<std::ptrdiff_t>(i)));
+    };
   }
 
   /// The epochs of this call, until its length, a stop inside an epoch, or an agreed stop.
@@ -248,7 +292,7 @@ class FitRunner {
       notify_callbacks(run, "on_validation_end", [&](Callback& cb) { cb.on_validation_end(state, *record.validation); });
     }
     run.visible = progress_.visible_history();
-    unshard_parameters(engine);  // every rank, after the epoch: callbacks may read or keep the weights
+    // No whole-model gather: a callback that reads the weights asks (TrainState::whole_weights).
     notify_callbacks(run, "on_epoch_end", [&](Callback& cb) { cb.on_epoch_end(state, progress_.history.epochs.back()); });
     TRAINLOOP_CHECK(!options_.stop_on_non_finite_loss() || std::isfinite(record.train_loss),
                     "the training loss of epoch ", record.epoch, " is ", record.train_loss,

@@ -14,8 +14,12 @@
 /// 4 KiB, and the kernel's zeroing of those pages was the largest part of what full sharding added
 /// to a step (benchmarks/README.md, zero_memory). After the micro-batch all units are freed, and
 /// before the optimizer step the slots too.
-/// Evaluation, a checkpoint and the end of the fit ask for every unit whole (unshard(), a
-/// collective the loop calls on every rank), into memory of their own.
+/// Evaluation and prediction inside a fit run the same way, without gradients: the engine's
+/// eval_batch is a micro-batch without backward, so at most the units one operator reads are whole
+/// (the loop keeps every rank's batch count equal: the gathers are collectives). A checkpoint, a
+/// callback that asks for the whole model (TrainState::gather_whole_weights) and the end of the fit
+/// ask for every unit whole (unshard(), a collective every rank calls), into memory of their own;
+/// reshard() frees them again, keeping what a callback changed in them.
 ///
 /// Every rank must run the same operators on the same parameters in the same order (the same
 /// model, no per-rank choice of layers or experts): the gathers are collectives.
@@ -41,6 +45,19 @@
 #include <vector>
 
 namespace trainloop::distributed {
+
+/// @brief What full sharding held whole in this process, for tests and benchmarks: how often every
+/// unit was gathered at once (UnitParameters::unshard that gathered something) and the most unit
+/// bytes whole at once while units were gathered one operator at a time (use_units).
+struct UnitGatherStats {
+  int64_t whole_model_gathers = 0;   ///< unshard() calls that gathered at least one unit
+  int64_t peak_unit_bytes_whole = 0; ///< the most bytes of units whole at once inside use_units
+};
+/// This process's UnitGatherStats (every sharded fit of the process adds to it; reset it by assigning {}).
+inline UnitGatherStats& unit_gather_stats() {
+  static UnitGatherStats stats;
+  return stats;
+}
 
 /// @brief The sharded parameters of one fit (this file's comment).
 class UnitParameters final : public UnitUser {
@@ -108,9 +125,48 @@ class UnitParameters final : public UnitUser {
     if (whole_) return;
     for (size_t u = 0; u < full_.size(); ++u) {
       if (holder_[u] == Holder::Slot) free_unit(u);  // slots are for the training steps
+    }
+    slots_.clear();  // idle now: their memory would sit beside the whole model
+    bool gathered = false;
+    for (size_t u = 0; u < full_.size(); ++u) {
+      gathered = gathered || holder_[u] == Holder::Freed;
       gather_unit(u, /*into_slot=*/false);
     }
+    if (gathered) ++unit_gather_stats().whole_model_gathers;
     whole_ = true;
+  }
+  /// Undoes unshard() without a collective: this rank's chunks taken from the whole units (so what
+  /// a callback changed in them stays; every rank must have changed the same), then every unit
+  /// freed. Nothing when the units are not whole.
+  void reshard() {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (!whole_) return;
+    refresh_own_chunks();
+    free_all();
+  }
+  /// Copies of this rank's chunk of every unit (current also while the units are whole), in unit order.
+  std::vector<torch::Tensor> own_chunk_copies() {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (whole_) refresh_own_chunks();
+    std::vector<torch::Tensor> copies;
+    for (const auto& chunk : own_chunks_) copies.push_back(chunk.detach().clone());
+    return copies;
+  }
+  /// Puts chunks own_chunk_copies() returned (on this rank, with this layout) back as this rank's
+  /// chunks, and frees every unit (whole ones hold the values replaced). No collective: every rank
+  /// puts back its own chunks of the same moment, or the model is a mix.
+  void load_own_chunks(const std::vector<torch::Tensor>& chunks) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    TRAINLOOP_CHECK(chunks.size() == own_chunks_.size(), "full sharding was given ", chunks.size(),
+                    " chunks to put back for ", own_chunks_.size(), " units; expected one per unit");
+    for (size_t u = 0; u < chunks.size(); ++u) {
+      TRAINLOOP_CHECK(chunks[u].numel() == own_chunks_[u].numel(), "the chunk of unit ", u, " put back has ",
+                      chunks[u].numel(), " elements; expected ", own_chunks_[u].numel(),
+                      " (this rank's chunk of the same model and world size)");
+    }
+    torch::NoGradGuard no_grad;
+    free_all();  // whole_ false: the whole units' values are the ones replaced
+    for (size_t u = 0; u < chunks.size(); ++u) own_chunks_[u].copy_(chunks[u]);
   }
   /// At the end of the fit: each parameter its own tensor again, with its whole values
   /// (`communicate`: gathered, a collective) or, when the fit ended with an exception and the
@@ -168,6 +224,12 @@ class UnitParameters final : public UnitUser {
     }
     std::sort(touched.begin(), touched.end());
     for (size_t u : touched) gather_unit(u, /*into_slot=*/true);
+    int64_t bytes = 0;
+    for (size_t u = 0; u < full_.size(); ++u) {
+      if (holder_[u] != Holder::Freed) bytes += full_[u].numel() * static_cast<int64_t>(full_[u].element_size());
+    }
+    UnitGatherStats& stats = unit_gather_stats();
+    stats.peak_unit_bytes_whole = std::max(stats.peak_unit_bytes_whole, bytes);
   }
 
  private:
