@@ -20,6 +20,14 @@
 /// chunks, and the step is the pieces' (at gradients, broadcast into every rank's parameters
 /// after). Checkpoints hold the whole state and parameters (gathered on save), so they resume in
 /// any mode, level and world size.
+///
+/// Evaluation and prediction inside a fit (validation) run unit by unit at full, as a training
+/// micro-batch without backward (eval_batch); every rank runs as many evaluation batches as the
+/// one with the most (evaluates_in_lockstep, loop/evaluation.hpp). Nothing gathers the whole model
+/// during a fit but a checkpoint and a callback that asks (TrainState::gather_whole_weights); at
+/// its end the ranks gather it once so the caller holds the trained model, unless
+/// whole_model_after_fit(false).
+
 
 #include <trainloop/distributed/ddp/checkpoint_state.hpp>
 #include <trainloop/distributed/zero/flat_layout.hpp>
@@ -71,6 +79,16 @@ struct FullyShardedDataParallel : MultiProcess<FullyShardedDataParallel> {
   /// and gathered together, like FSDP's auto-wrap policy; empty: the model's top-level children.
   /// Parameters of no unit form one more unit.
   TORCH_ARG(std::vector<std::string>, sharding_units) = {};
+  /// At sharding full: whether a fit ends with every rank's model whole (the default: a
+  /// collective gather of every unit, so the model after fit() is the trained one). false, for a
+  /// model that does not fit one rank: each rank keeps only its chunks after fit(); its model's
+  /// parameters keep their sizes but have no memory (read them through this loop: evaluate(),
+  /// predict() and save_checkpoint() gather what they need; a checkpoint holds the trained
+  /// weights whole). Ranks started by torchrun, srun or mpirun only: a rank trainloop's launcher
+  /// spawned hands its model to the launching process whole (refused there by name). A later
+  /// fit() of the same ranks gathers the model whole once at its start (every rank's state is
+  /// checked against rank 0's).
+  TORCH_ARG(bool, whole_model_after_fit) = true;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief Throws trainloop::Error naming the first option out of range.
@@ -101,6 +119,10 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   /// every later one: the optimizer keys this rank's state by its pieces), this rank's share of
   /// a whole state loaded before, this fit's gradient hooks and, at full, its sharded parameters.
   void begin_fit(torch::optim::Optimizer& optimizer) {
+    if (parameters_) {  // kept by a fit with whole_model_after_fit(false): whole again, as join_fit reads them
+      parameters_->release(true);
+      parameters_.reset();
+    }
     this->join_fit();
     const distributed::Sharding level = mode_.sharding();
     distributed::ZeroOptimizerShard::check_optimizer(optimizer);
@@ -133,6 +155,12 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   /// and this fit's gradient hooks removed. The optimizer's share stays until the next fit: a
   /// checkpoint saved now still gathers it.
   void end_fit() noexcept {
+    if (parameters_ && !mode_.whole_model_after_fit() && std::uncaught_exceptions() == 0) {
+      parameters_->free_all();  // each rank keeps its chunks, and evaluates unit by unit after the fit
+      gradients_.reset();
+      this->leave_fit();
+      return;
+    }
     if (parameters_) {
       const bool communicate = std::uncaught_exceptions() == 0;
       try {
@@ -166,6 +194,32 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
     gathering.reset();
     sink(out);
   }
+  /// A batch evaluated without gradients. At full inside a fit: as a training micro-batch's
+  /// forward (units gathered by the operators that read them, all freed after; one gathered whole
+  /// for a callback or a checkpoint is resharded first, keeping what changed in it), so every rank
+  /// must evaluate as many batches (evaluates_in_lockstep).
+  template <class Batch, class Forward, class Sink>
+  void eval_batch(const Batch& batch, Forward&& forward, Sink&& sink) {
+    if (!parameters_) {
+      Base::eval_batch(batch, std::forward<Forward>(forward), std::forward<Sink>(sink));
+      return;
+    }
+    torch::NoGradGuard no_grad;  // no graph: nothing saved holds a unit, freed as the next is gathered
+    parameters_->begin_micro_batch();
+    std::optional<StepOutput> out;
+    {
+      struct FreeUnits {  // also when the forward throws
+        distributed::UnitParameters& parameters;
+        ~FreeUnits() { parameters.free_all(); }
+      } free_units{*parameters_};
+      distributed::UnitGatherScope gathering(*parameters_);
+      out.emplace(forward(*module_, batch_to_device(batch, this->device_)));
+    }
+    sink(*out);
+  }
+  /// True while evaluation gathers units as its operators run (a fit at full, or after one with
+  /// whole_model_after_fit(false)): the loop then runs as many evaluation batches on every rank.
+  bool evaluates_in_lockstep() const { return parameters_.has_value(); }
   /// Exact uneven batches: a rank without samples in this micro-batch joins the reductions in
   /// finalize(). Sharding full cannot: the other ranks gather parameters as their operators run.
   void train_without_samples(bool synchronize) {
@@ -207,9 +261,34 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
     zero_->step_pieces(optimizer);
     if (!parameters_) zero_->broadcast_pieces(*group_);
   }
-  /// Every unit whole on every rank, for evaluation or a checkpoint (a collective).
+  /// Every unit whole on every rank, for a checkpoint or a callback (a collective).
   void unshard_parameters() {
     if (parameters_) parameters_->unshard();
+  }
+  /// Frees what unshard_parameters() gathered, keeping what a callback changed (no collective).
+  void reshard_parameters() {
+    if (parameters_) parameters_->reshard();
+  }
+  /// Copies of this rank's chunks of every unit, or nothing when the parameters are whole.
+  std::optional<std::vector<torch::Tensor>> parameter_shares() {
+    if (!parameters_) return std::nullopt;
+    return parameters_->own_chunk_copies();
+  }
+  /// Puts chunks parameter_shares() returned back (every rank its own, of the same moment).
+  void load_parameter_shares(const std::vector<torch::Tensor>& shares) {
+    TRAINLOOP_CHECK(parameters_.has_value(), "parameter shares were put back on rank ", this->rank(),
+                    " whose parameters are whole; expected a fit at sharding full (the shares' own)");
+    parameters_->load_own_chunks(shares);
+  }
+  /// The launcher's fit(), or a rank's. whole_model_after_fit(false) needs ranks started by
+  /// torchrun, srun or mpirun: a spawned rank hands its model to the launching process whole.
+  History run_fit(const FitActions& actions, const ResumeSpec& resume) {
+    TRAINLOOP_CHECK(this->env_.has_value() || mode_.whole_model_after_fit() ||
+                        mode_.sharding() != distributed::Sharding::Full,
+                    "fsdp's whole_model_after_fit is false in a program that launches its own ranks; expected ranks "
+                    "started by torchrun, srun or mpirun (a rank trainloop spawns hands the trained model to this "
+                    "process whole, through a checkpoint) or whole_model_after_fit(true)");
+    return Base::run_fit(actions, resume);
   }
   /// A checkpoint's optimizer part: every rank's share gathered into libtorch's layout on the
   /// writing rank (a collective; distributed/ddp/checkpoint_state.hpp).
