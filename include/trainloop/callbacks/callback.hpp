@@ -66,10 +66,12 @@ class WholeWeightsScope {
  public:
   /// @param free what frees them (TrainState::free_whole_weights; may be empty)
   explicit WholeWeightsScope(std::function<void()> free) : free_(std::move(free)) {}
+  /// Takes over `other`'s duty to free them.
   WholeWeightsScope(WholeWeightsScope&& other) noexcept : free_(std::exchange(other.free_, {})) {}
   WholeWeightsScope(const WholeWeightsScope&) = delete;
   WholeWeightsScope& operator=(const WholeWeightsScope&) = delete;
   WholeWeightsScope& operator=(WholeWeightsScope&&) = delete;
+  /// Frees the whole weights (an error doing so is left to the next batch, which frees them too).
   ~WholeWeightsScope() {
     if (!free_) return;
     try {
