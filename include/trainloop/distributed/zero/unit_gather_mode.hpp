@@ -7,7 +7,8 @@
 /// first (distributed/zero/unit_parameters.hpp). libtorch's modules have no forward hooks, so an
 /// operator is the first place a use is visible; the autograd engine carries the thread's key set
 /// into backward (also onto its device threads), so a unit is gathered again when its backward
-/// needs its weights.
+/// needs its weights. Evaluation inside a fit runs in the same scope under a NoGradGuard: without
+/// a graph nothing saved holds a unit, so each is freed as soon as an operator reads another.
 ///
 /// Why a dispatcher mode and not a RecordFunction observer (what trainloop used before): the
 /// observer's RecordFunction::inputs() asserts in any build without NDEBUG (the accessor checks a
