@@ -9,9 +9,13 @@
 //   fashion_mnist --lr-find                                            # print a suggested lr and exit
 //   fashion_mnist --epochs 4 --precision bf16 --early-stop-patience 2
 //   fashion_mnist --epochs 4 --progress live | tee run.log             # the live bar, also into a pipe
+//   fashion_mnist --epochs 4 --save-weights runs/fmnist.safetensors     # the trained weights, for Python too
+//   fashion_mnist --epochs 4 --save-weights runs/fmnist-hf/             # Hugging Face's sharded form
+//   fashion_mnist --epochs 1 --load-weights runs/fmnist.safetensors     # fine-tune saved weights
 
 #include "fashion_net.hpp"
 
+#include <trainloop/interop/safetensors_weights.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <CLI/CLI.hpp>
@@ -45,6 +49,9 @@ int main(int argc, char** argv) {
   int64_t early_stop_patience = 0;
   bool lr_find = false;
   std::string progress = "auto";
+  std::string save_weights;
+  uint64_t save_shard_bytes = 0;
+  std::string load_weights;
   app.add_option("--gpu-mode", gpu_mode, "single, dp, ddp or fsdp");
   app.add_option("--epochs", epochs, "training epochs")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size, "samples per batch (per rank in ddp)");
@@ -88,6 +95,16 @@ int main(int argc, char** argv) {
                  "auto (a live bar on a terminal, one line per epoch elsewhere), live (the bar redrawn also into a "
                  "file or pipe, at most every 0.2 s) or epochs (one line per epoch)")
       ->check(CLI::IsMember({"auto", "live", "epochs"}));
+  app.add_option("--save-weights", save_weights,
+                 "after training, write the model's weights as safetensors (state_dict names): one file, or Hugging "
+                 "Face's sharded form (model-0000k-of-0000n.safetensors + model.safetensors.index.json) when the path is a "
+                 "directory, ends in '/' or ends in .index.json");
+  app.add_option("--save-weights-shard-bytes", save_shard_bytes,
+                 "with --save-weights: write the sharded form with at most this many bytes per shard (default for a "
+                 "directory: 5e9, Hugging Face's)");
+  app.add_option("--load-weights", load_weights,
+                 "before training, load safetensors weights (a .safetensors file, an index .json or a directory with "
+                 "either) into the model; every name, shape and dtype must match");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -111,6 +128,8 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(seed);
     FashionNet net;
+    // Before the loop places the model: the weights are copied into the model's own tensors.
+    if (!load_weights.empty()) trainloop::interop::load_safetensors(*net, load_weights);
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));
     trainloop::TrainLoop loop(  // TrainLoop<FashionNet, gpu_mode::Any>, from `net` and `mode`
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),
@@ -159,6 +178,12 @@ int main(int argc, char** argv) {
     }
     // With --resume, a run killed in epoch 3 of 4 finishes epochs 3 and 4 from the newest checkpoint.
     auto history = loop.fit(epochs, callbacks, resume ? trainloop::Resume::last() : trainloop::Resume::none());
+
+    // fit() leaves the whole trained model in this process in every mode (ddp and fsdp too).
+    if (!save_weights.empty() && loop.is_main()) {
+      trainloop::interop::save_safetensors(*net, save_weights, {.max_shard_bytes = save_shard_bytes});
+      std::cout << "weights written to " << save_weights << '\n';
+    }
 
     double seconds = 0;
     for (const auto& epoch : history.epochs) seconds += epoch.seconds;  // resumed epochs included
