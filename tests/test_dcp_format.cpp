@@ -165,6 +165,7 @@ std::map<std::string, torch::Tensor> model_tensors() {
   tensors["w5"] = torch::randn({6, 2}) > 0;
   tensors["w6"] = torch::randn({2, 3}).to(torch::kHalf).t();  // a view: written contiguous
   tensors["scalar"] = torch::tensor(2.5);
+  tensors["empty"] = torch::zeros({0, 3}, torch::kInt);  // an entry with one empty chunk, written by both ranks
   return tensors;
 }
 

@@ -88,6 +88,12 @@ class DistcpWriter {
   /// boxes, reads them).
   void add_flat_range(const std::string& fqn, const torch::Tensor& flat, int64_t begin, const std::vector<int64_t>& size) {
     if (flat.dim() != 1) fail(trainloop::detail::concat("the flat range of ", fqn, " has ", flat.dim(), " dimensions; expected 1"));
+    if (checked_numel(size) == 0 && begin == 0 && flat.numel() == 0) {
+      // A tensor without elements still has its entry and one (empty) chunk, as Python writes
+      // it; every rank may write it, merge_metadata keeps one.
+      add_tensor_chunk(fqn, flat.view(size), std::vector<int64_t>(size.size(), 0), size);
+      return;
+    }
     int64_t at = 0;
     for (const auto& [offsets, sizes] : flat_range_boxes(size, begin, begin + flat.numel())) {
       const int64_t count = checked_numel(sizes);
@@ -110,6 +116,8 @@ class DistcpWriter {
   }
 
   /// @brief Sets the nested path of `fqn` in the saved state (planner_data; default: {fqn}).
+  /// @param fqn the flattened key ("model.fc.weight")
+  /// @param path its path in the nested state ({"model", "fc.weight"}), list indices as decimal text
   /// @param int_elements the positions in `path` that are list indices (Python ints)
   void set_planner_path(const std::string& fqn, std::vector<std::string> path, std::vector<size_t> int_elements = {}) {
     part_.planner_data[fqn] = std::move(path);

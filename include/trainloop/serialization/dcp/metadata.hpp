@@ -213,6 +213,8 @@ inline Metadata merge_metadata(const std::vector<Metadata>& parts) {
     for (const auto& [fqn, ints] : part.planner_int_elements) merged.planner_int_elements.emplace(fqn, ints);
   }
   for (auto& [fqn, entry] : merged.tensors) {
+    // A tensor without elements: every rank that wrote its empty chunk wrote the same; one is kept.
+    if (checked_numel(entry.size) == 0 && entry.chunks.size() > 1) entry.chunks.resize(1);
     if (merged.bytes.count(fqn)) {
       throw CheckpointError(concat("trainloop: the DCP parts save ", fqn, " as a tensor and as bytes; expected one of them"));
     }
