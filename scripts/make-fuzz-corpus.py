@@ -4,7 +4,7 @@ Python's torch.save writes (and of a TorchScript archive), and whole files, each
 byte that tells the fuzz target how to read it (0: a torch.save state_dict's pickle; 1: a
 TorchScript archive's pickle; 2: a whole torch.save file; 3: a whole TorchScript archive; with a
 torch that has torch.export, 4: a whole PT2 archive of torch.export.save, 5: its program's JSON,
-6: its weights config).
+6: its weights config; with the safetensors package, 8: a whole .safetensors file).
 
     scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
 
@@ -101,6 +101,21 @@ def export_seeds(small):
             'pt2_weights_config': (6, record('data/weights/model_weights_config.json'))}
 
 
+def safetensors_seeds(small, dtypes):
+    """Whole .safetensors files, as safetensors.torch.save_file writes them: the small model's
+    state_dict (with __metadata__) and one tensor of every dtype (a scalar, an empty one)."""
+    try:
+        from safetensors.torch import save as save_safetensors
+    except ImportError:
+        return {}
+    every = {name: tensor.contiguous() for name, tensor in dtypes.items() if name not in ('slice', 't')}
+    every.update({name: torch.ones(3, dtype=dtype) for name, dtype in
+                  (('f8_e4m3', getattr(torch, 'float8_e4m3fn', None)), ('f8_e5m2', getattr(torch, 'float8_e5m2', None)))
+                  if dtype is not None})
+    return {'safetensors_small': (8, save_safetensors(small.state_dict(), metadata={'format': 'pt'})),
+            'safetensors_dtypes': (8, save_safetensors(every))}
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -127,6 +142,7 @@ def main():
         'file_no_methods': (3, without_methods(saved(torch.jit.script(small), save=torch.jit.save))),
     }
     seeds.update(export_seeds(small))
+    seeds.update(safetensors_seeds(small, dtypes))
     for name, (flavor, pickle) in seeds.items():
         with open(os.path.join(out, name), 'wb') as f:
             f.write(bytes([flavor]) + pickle)

@@ -1,5 +1,6 @@
 // libFuzzer target over every reader of weight files from strangers (include/trainloop/serialization/):
-// the first byte of an input picks what the rest is (its low three bits):
+// the low four bits of an input's first byte (the selector) pick what the rest is, through the
+// table kReaders at the end of this file:
 //   0: a pickle read as torch.save's data.pkl, storages of up to 2^16 elements made in memory;
 //   1: the same, read as a TorchScript archive's pickle (objects of __torch__ classes);
 //   2: a whole file read as interop::load_state_dict reads one: the zip directory's checks,
@@ -14,7 +15,12 @@
 //      and every argument checked against its schema, the weights' sizes, strides and offsets;
 //   5: the same, with the input as the program's models/model.json in a valid archive (the tiny
 //      program of tests/pt2_fixture.hpp), so mutations reach the graph checks at once;
-//   6: the same, with the input as its data/weights/model_weights_config.json.
+//   6: the same, with the input as its data/weights/model_weights_config.json;
+//   8: a whole .safetensors file read by SafetensorsFile: the header's checks, every tensor read,
+//      and a flat element range of each;
+//   9..15: not assigned yet; such inputs are ignored. A new reader takes the next free value (an
+//      entry in kReaders and a line here); values never change meaning, so the corpus keeps its.
+// (Selectors 0..7 were the low three bits before 8 came; every seed's first byte is below 8.)
 // Then what a reader does with the result is done too: every tensor's bytes are read (so a view
 // outside its storage is an ASan report, not a silent read).
 //
@@ -26,6 +32,7 @@
 #include <trainloop/serialization/graph_program.hpp>
 #include <trainloop/serialization/pickle_reader.hpp>
 #include <trainloop/serialization/pt2_archive.hpp>
+#include <trainloop/serialization/safetensors_reader.hpp>
 #include <trainloop/serialization/torch_archive.hpp>
 
 #include <torch/script.h>
@@ -156,19 +163,39 @@ void read_pt2_with_record(const std::string& name, std::string_view bytes) {
   read_pt2_file();
 }
 
+void read_safetensors_bytes(std::string_view bytes) {
+  std::ofstream(scratch_file(), std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  try {
+    const SafetensorsFile file(scratch_file());
+    for (const auto& entry : file.entries()) {
+      touch(file.read(entry.name));
+      const int64_t numel = entry.numel();
+      touch(file.read_flat(entry.name, numel / 3, numel - numel / 4));
+    }
+  } catch (const trainloop::CheckpointError&) {
+  }
+}
+
+/// What each selector (the first byte's low four bits) reads the rest of an input as; nullptr:
+/// not assigned yet. See the table at the top of this file.
+using Reader = void (*)(std::string_view);
+constexpr Reader kReaders[16] = {
+    [](std::string_view b) { read_pickle_bytes(b, PickleFlavor::StateDict); },                    // 0
+    [](std::string_view b) { read_pickle_bytes(b, PickleFlavor::TorchScript); },                  // 1
+    [](std::string_view b) { read_file_bytes(b, /*as_torchscript=*/false); },                     // 2
+    [](std::string_view b) { read_file_bytes(b, /*as_torchscript=*/true); },                      // 3
+    read_pt2_bytes,                                                                               // 4
+    [](std::string_view b) { read_pt2_with_record("models/model.json", b); },                     // 5
+    [](std::string_view b) { read_pt2_with_record("data/weights/model_weights_config.json", b); },  // 6
+    read_pt2_bytes,                                                                               // 7
+    read_safetensors_bytes,                                                                       // 8
+};
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string_view bytes(reinterpret_cast<const char*>(data + 1), size - 1);
-  switch (data[0] & 7) {
-    case 0: read_pickle_bytes(bytes, PickleFlavor::StateDict); break;
-    case 1: read_pickle_bytes(bytes, PickleFlavor::TorchScript); break;
-    case 2: read_file_bytes(bytes, /*as_torchscript=*/false); break;
-    case 3: read_file_bytes(bytes, /*as_torchscript=*/true); break;
-    case 5: read_pt2_with_record("models/model.json", bytes); break;
-    case 6: read_pt2_with_record("data/weights/model_weights_config.json", bytes); break;
-    default: read_pt2_bytes(bytes); break;
-  }
+  if (const Reader reader = kReaders[data[0] & 15]) reader(bytes);
   return 0;
 }
