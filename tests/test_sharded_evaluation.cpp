@@ -71,6 +71,24 @@ struct RecordGatherStats : tl::Callback {
   fs::path out;
 };
 
+/// At every epoch's end, on every rank: asks for the whole weights, records their sum into
+/// `<out>/whole_rank<R>.txt`, and halves fc3's weight in them (a change the shares must keep).
+struct HalveLastLayer : tl::Callback {
+  explicit HalveLastLayer(fs::path out) : out(std::move(out)) {}
+  void on_epoch_end(tl::TrainState& state, const tl::EpochRecord& record) override {
+    auto whole = state.whole_weights();
+    torch::NoGradGuard no_grad;
+    auto& net = dynamic_cast<MlpImpl&>(*state.model);
+    sums["sum_" + std::to_string(record.epoch)] = flat_params(net.parameters()).to(torch::kFloat64).sum().item<double>();
+    net.fc3->weight.mul_(0.5);
+    sums["gathers_" + std::to_string(record.epoch)] =
+        static_cast<double>(tl::distributed::unit_gather_stats().whole_model_gathers);
+    write_numbers(out / ("whole_rank" + std::to_string(state.rank) + ".txt"), sums);
+  }
+  fs::path out;
+  std::map<std::string, double> sums;
+};
+
 /// The numbers of a History: per epoch its validation loss, samples and metrics, training loss.
 std::map<std::string, double> history_numbers(const tl::History& history) {
   std::map<std::string, double> numbers;
@@ -109,6 +127,7 @@ int run_scenario(Mode mode) {
       tl::EarlyStoppingOptions("val_loss").mode(tl::MonitorMode::Max).patience(100).restore_best_weights(true));
   tl::CallbackList callbacks{std::make_shared<RecordGatherStats>(out)};
   if (early) callbacks.push_back(stop);
+  if (env_or("TL_SEVAL_HALVE", "0") == "1") callbacks.push_back(std::make_shared<HalveLastLayer>(out));
   const tl::History history = loop.fit(epochs, callbacks);
   auto numbers = history_numbers(history);
   if (early) numbers["best_epoch"] = static_cast<double>(stop->best_epoch());
@@ -295,6 +314,31 @@ BOOST_AUTO_TEST_CASE(early_stopping_at_full_restores_exactly_the_weights_plain_d
   for (int rank = 0; rank < 2; ++rank) {
     const auto stats = read_numbers(dir.path / "full" / ("fit_end_rank" + std::to_string(rank) + ".txt"));
     BOOST_TEST(stats.at("whole_model_gathers") == 0);  // kept and restored as shares
+  }
+}
+
+// A callback that asks for the whole weights at every epoch's end (state.whole_weights(), on every
+// rank) sees DDP's weights, one whole-model gather each time, and what it changes in them stays:
+// halving fc3's weight every epoch ends as DDP doing the same, bit for bit.
+BOOST_AUTO_TEST_CASE(a_callback_asking_for_the_whole_weights_at_full_sees_and_changes_what_ddp_does) {
+  TempDir dir("tl-sharded-whole");
+  const Run ddp = run_spawned(dir.path / "ddp", "ddp", 2, 9, "TL_SEVAL_HALVE=1");
+  BOOST_REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
+  const Run full = run_spawned(dir.path / "full", "full", 2, 9, "TL_SEVAL_HALVE=1");
+  BOOST_REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+  const Run plain = run_spawned(dir.path / "plain", "ddp", 2, 9);
+  BOOST_REQUIRE_MESSAGE(plain.exit_code == 0, plain.output);
+  const torch::Tensor halved = load_params(dir.path / "full" / "params.pt");
+  BOOST_TEST(torch::equal(halved, load_params(dir.path / "ddp" / "params.pt")));
+  BOOST_TEST((halved - load_params(dir.path / "plain" / "params.pt")).abs().max().item<double>() > 1e-3);
+  const auto ddp_sums = read_numbers(dir.path / "ddp" / "whole_rank0.txt");
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto sums = read_numbers(dir.path / "full" / ("whole_rank" + std::to_string(rank) + ".txt"));
+    for (int epoch = 1; epoch <= 3; ++epoch) {
+      const std::string e = std::to_string(epoch);
+      BOOST_TEST(sums.at("sum_" + e) == ddp_sums.at("sum_" + e));
+      BOOST_TEST(sums.at("gathers_" + e) == epoch);  // one whole-model gather per request, none besides
+    }
   }
 }
 
