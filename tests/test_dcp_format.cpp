@@ -86,6 +86,16 @@ if command == "load_cpp":
     with open(os.path.join(ck, ".metadata"), "rb") as f:
         md = pickle.load(f)
     assert isinstance(md, Metadata), type(md)
+    # torch.load(weights_only=True) cannot read any .metadata (a bare pickle, no magic number;
+    # Python's own protocol-4 one not even with its classes allowed: FRAME); ours is protocol 2
+    # and reads under torch's weights_only unpickler once DCP's classes are allowed.
+    import torch.distributed.checkpoint.metadata as m, torch.distributed.checkpoint.filesystem as fsm
+    from torch._weights_only_unpickler import load as weights_only_load
+    allowed = [m.Metadata, m.TensorStorageMetadata, m.BytesStorageMetadata, m.ChunkStorageMetadata, m.TensorProperties,
+               m.MetadataIndex, m.StorageMeta, m._MEM_FORMAT_ENCODING, fsm._StorageInfo, torch.Size, torch.serialization._get_layout]
+    with torch.serialization.safe_globals(allowed), open(os.path.join(ck, ".metadata"), "rb") as f:
+        assert weights_only_load(f).state_dict_metadata == md.state_dict_metadata
+    print("weights_only unpickler reads it")
     md2 = FileSystemReader(ck).read_metadata()
     assert md2.state_dict_metadata == md.state_dict_metadata
     for name, t in expected.items():
@@ -363,6 +373,7 @@ BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precond
   const auto run = python(dir.path, "load_cpp");
   BOOST_TEST(run.exit_code == 0);
   BOOST_TEST(contains(run.output, "OK"));
+  BOOST_TEST(contains(run.output, "weights_only unpickler reads it"));
   for (const auto& [name, tensor] : tensors) BOOST_TEST(contains(run.output, "equal " + name + " "));
 }
 

@@ -35,8 +35,10 @@ class DistcpWriter {
   /// @brief Starts directory/"__<rank>_0.distcp" (as a temporary file until finish()).
   /// @throws trainloop::CheckpointError when the directory is missing or not writable.
   DistcpWriter(std::filesystem::path directory, int rank)
-      : name_(distcp_file_name(rank)),
-        file_(std::make_unique<trainloop::detail::BasicAtomicFile<CheckpointError>>(directory / name_, "the DCP data file")) {}
+      : name_(distcp_file_name(rank)) {
+    if (rank < 0) fail(trainloop::detail::concat("the rank is ", rank, "; expected a rank >= 0"));
+    file_ = std::make_unique<trainloop::detail::BasicAtomicFile<CheckpointError>>(directory / name_, "the DCP data file");
+  }
 
   /// @brief Writes `chunk` (any CPU tensor; written contiguous, only its elements) as the box at
   /// `offsets` of the tensor `fqn` whose whole size is `size`.
@@ -47,7 +49,9 @@ class DistcpWriter {
     using trainloop::detail::concat;
     check_open();
     const std::vector<int64_t> sizes = chunk.sizes().vec();
-    if (!chunk.device().is_cpu()) fail(concat("the chunk of ", fqn, " is on ", chunk.device(), "; expected a CPU tensor"));
+    if (!chunk.device().is_cpu() || chunk.layout() != torch::kStrided) {
+      fail(concat("the chunk of ", fqn, " is a ", chunk.layout(), " tensor on ", chunk.device(), "; expected a dense (strided) CPU tensor"));
+    }
     if (offsets.size() != size.size() || sizes.size() != size.size()) {
       fail(concat("the chunk of ", fqn, " has ", sizes.size(), " dimensions and ", offsets.size(), " offsets; expected ",
                   size.size(), " of each (its tensor's size ", c10::IntArrayRef(size), ")"));
