@@ -11,6 +11,7 @@
 #include "ddp_test_model.hpp"
 #include "test_support.hpp"
 
+#include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/distributed/launch/free_port.hpp>
 
 #include <unistd.h>
@@ -126,6 +127,20 @@ struct ShuffledReference {
 /// Adam's two moments of every parameter a checkpoint holds state for, in parameter order and
 /// flattened, and how many parameters have state.
 inline std::pair<torch::Tensor, int64_t> adam_moments(const fs::path& file) {
+  if (tl::is_sharded_checkpoint(file)) {  // a sharded mode's per-rank checkpoint: the moments by name
+    tl::detail::DcpCheckpoint checkpoint(file);
+    std::vector<torch::Tensor> moments;
+    int64_t with_state = 0;
+    Mlp net;
+    for (const auto& item : net->named_parameters()) {
+      const std::string key = "optim.state." + item.key() + ".";
+      if (!checkpoint.has(key + "exp_avg")) continue;
+      ++with_state;
+      moments.push_back(checkpoint.read_whole(key + "exp_avg").flatten());
+      moments.push_back(checkpoint.read_whole(key + "exp_avg_sq").flatten());
+    }
+    return {moments.empty() ? torch::zeros({0}) : torch::cat(moments), with_state};
+  }
   torch::serialize::InputArchive archive, ours, optimizer, groups, group, states;
   archive.load_from(file.string());
   BOOST_REQUIRE(archive.try_read("__trainloop__", ours) && ours.try_read("optimizer", optimizer));

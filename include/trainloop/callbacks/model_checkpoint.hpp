@@ -22,7 +22,7 @@
 #include <trainloop/callbacks/monitor.hpp>
 #include <trainloop/checkpoint/checkpoint_names.hpp>
 #include <trainloop/checkpoint/checkpoint_source.hpp>
-#include <trainloop/detail/atomic_file.hpp>
+#include <trainloop/detail/atomic_directory.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/arg.h>
@@ -193,7 +193,9 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
   }
   bool own_file_exists(const std::string& name) const {
     std::error_code ignored;
-    return std::filesystem::is_regular_file(std::filesystem::symlink_status(directory() / name, ignored));
+    const auto status = std::filesystem::symlink_status(directory() / name, ignored);
+    // A directory: a per-rank checkpoint (torch.distributed.checkpoint's layout, sharded modes).
+    return std::filesystem::is_regular_file(status) || std::filesystem::is_directory(status);
   }
 
   /// Writes the periodic and/or best checkpoint of this moment (a collective): one file, and the
@@ -233,7 +235,7 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
         std::string failure;
         if (state.is_main) {
           try {
-            link_atomically(directory() / written, directory() / best->second);
+            detail::link_atomically(directory() / written, directory() / best->second);
           } catch (const Error& error) {
             failure = error.what();
           }
@@ -281,25 +283,6 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
     }
   }
 
-  /// Makes `link` a second name of `target`, atomically (a hard link under a temporary name, renamed).
-  static void link_atomically(const std::filesystem::path& target, const std::filesystem::path& link) {
-    const std::filesystem::path temporary = detail::unique_temporary_path_for(link);
-    std::error_code error;
-    std::filesystem::create_hard_link(target, temporary, error);
-    if (error) {
-      error.clear();
-      std::filesystem::copy_file(target, temporary, std::filesystem::copy_options::overwrite_existing, error);
-    }
-    if (!error) std::filesystem::rename(temporary, link, error);
-    if (error) {
-      std::error_code ignored;
-      std::filesystem::remove(temporary, ignored);
-      throw CheckpointError(detail::concat("trainloop: cannot write the checkpoint ", link.string(), ": ",
-                                           error.message(), "; expected a writable directory with free space"));
-    }
-    detail::sync_directory(link.parent_path());
-  }
-
   /// Replaces last.ckpt by a symbolic link to the file `name`, atomically (a new link renamed over it).
   void point_last_at(const std::string& name) const {
     const std::filesystem::path temporary = detail::unique_temporary_path_for(last_path());
@@ -316,13 +299,13 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
   }
 
   /// Removes `directory()/name` when it is one of this callback's own files (name checked against
-  /// its patterns, a regular file, not what last.ckpt points at). Main process only.
+  /// its patterns, a file or a per-rank checkpoint directory, not what last.ckpt points at). Main process only.
   void remove_own_file(const std::string& name) const {
     if (name != std::filesystem::path(name).filename().string() || !is_own_file_name(name) || !own_file_exists(name)) return;
     const std::filesystem::path path = directory() / name;
     std::error_code error;
     if (std::filesystem::equivalent(path, last_path(), error)) return;
-    std::filesystem::remove(path, error);
+    std::filesystem::remove_all(path, error);  // a file, or a per-rank checkpoint's directory
   }
 
   ModelCheckpointOptions options_;

@@ -2,7 +2,8 @@
 /// @file
 /// @brief The names of checkpoint files and how to find the newest: `epoch=0003-step=000120.ckpt`
 /// (periodic), `best-epoch=0003-val_accuracy=0.9123.ckpt` (best by a monitored value), and
-/// `last.ckpt` (a symbolic link to the newest). What a name says is all a reader needs to order
+/// `last.ckpt` (a symbolic link to the newest); each a file, or, written by a sharded mode, a
+/// directory of per-rank files. What a name says is all a reader needs to order
 /// them: no file is opened.
 
 #include <trainloop/detail/atomic_file.hpp>
@@ -63,6 +64,14 @@ inline bool take_prefix(std::string_view& text, std::string_view prefix) {
 }
 
 }  // namespace detail
+
+/// @brief Whether `path` is a per-rank checkpoint: a directory in torch.distributed.checkpoint's
+/// layout (its `.metadata` beside the ranks' `__<rank>_0.distcp` files), as the sharded modes
+/// write them (checkpoint/dcp_checkpoint.hpp), rather than a directory of checkpoints.
+inline bool is_sharded_checkpoint(const std::filesystem::path& path) {
+  std::error_code ignored;
+  return std::filesystem::is_directory(path, ignored) && std::filesystem::is_regular_file(path / ".metadata", ignored);
+}
 
 /// @brief Where in training a checkpoint file was written, read from its name.
 struct CheckpointPosition {
@@ -132,7 +141,10 @@ inline std::vector<std::filesystem::path> checkpoint_candidates(const std::files
   for (const auto& entry : found) paths.push_back(entry.second);
   const auto last = directory / kLastCheckpointName;
   std::error_code ignored;
-  if (std::filesystem::is_regular_file(std::filesystem::symlink_status(last, ignored))) paths.push_back(last);
+  const auto status = std::filesystem::symlink_status(last, ignored);
+  if (std::filesystem::is_regular_file(status) || (std::filesystem::is_directory(status) && is_sharded_checkpoint(last))) {
+    paths.push_back(last);
+  }
   return paths;
 }
 

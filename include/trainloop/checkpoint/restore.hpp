@@ -89,20 +89,26 @@ class StateUndo {
   bool committed_ = false;
 };
 
-/// Loads `file` into `module`, `optimizer` and `callbacks`, and, when `rng_rank` is given, that
-/// rank's random streams into this process; returns the progress the checkpoint recorded. All or
-/// nothing (see the file comment). `load_optimizer`, when given, is the engine's loader of the
-/// optimizer archive (engine/optional_members.hpp): a state in libtorch's layout is checked first as
-/// always, one in the engine's own layout is the loader's to check; a failure puts everything back.
-/// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
-inline TrainingProgress restore_checkpoint(
-    CheckpointFile& file, torch::nn::Module& module, torch::optim::Optimizer& optimizer, const KeyedStates& callbacks,
-    std::optional<int64_t> rng_rank,
-    const std::function<void(torch::optim::Optimizer&, torch::serialize::InputArchive&)>& load_optimizer = {}) {
+/// What restore_checkpoint_with() needs of a checkpoint's format for the model and the optimizer;
+/// the progress, the callbacks' states and the random streams are always `file`'s.
+struct RestoreSteps {
+  std::function<void()> check_model;      ///< throws when the model does not fit; changes nothing
+  std::function<void()> check_optimizer;  ///< the same for the optimizer
+  std::function<void()> load_optimizer;   ///< may still throw (it is undone then)
+  std::function<void()> load_model;       ///< last, when everything else is applied
+};
+
+/// The order of a restore that is all or nothing (the file comment): `steps` check, then apply.
+/// With a format whose model load reads the data only then (a per-rank checkpoint reads tensor by
+/// tensor, checkpoint/dcp_checkpoint.hpp), a read failing in load_model (the disk) leaves the
+/// model partly loaded; everything else is put back.
+inline TrainingProgress restore_checkpoint_with(CheckpointFile& file, torch::optim::Optimizer& optimizer,
+                                                const KeyedStates& callbacks, std::optional<int64_t> rng_rank,
+                                                const RestoreSteps& steps) {
   // 1. Read and check, changing nothing.
-  const auto model_copies = file.checked_model_tensors(module);
+  steps.check_model();
   TrainingProgress progress = file.progress();
-  file.check_optimizer(optimizer, /*engine_loads_own_layout=*/static_cast<bool>(load_optimizer));
+  steps.check_optimizer();
   std::optional<torch::Tensor> rng;
   if (rng_rank) {
     rng = file.rng_state(*rng_rank);
@@ -118,7 +124,7 @@ inline TrainingProgress restore_checkpoint(
   }
   // 2. Apply what may still refuse, with the way back kept.
   StateUndo undo(optimizer, callbacks);
-  file.load_optimizer(optimizer, load_optimizer);
+  steps.load_optimizer();
   try {
     file.load_states(callbacks);
   } catch (const CheckpointError&) {
@@ -130,9 +136,28 @@ inline TrainingProgress restore_checkpoint(
   }
   if (rng) restore_rng_state(*rng);
   // 3. The model last: every tensor was checked, so the copies cannot fail on a shape or dtype.
-  CheckpointFile::copy_model_tensors(model_copies);
+  steps.load_model();
   undo.commit();
   return progress;
+}
+
+/// Loads `file` into `module`, `optimizer` and `callbacks`, and, when `rng_rank` is given, that
+/// rank's random streams into this process; returns the progress the checkpoint recorded. All or
+/// nothing (see the file comment). `load_optimizer`, when given, is the engine's loader of the
+/// optimizer archive (engine/optional_members.hpp): a state in libtorch's layout is checked first as
+/// always, one in the engine's own layout is the loader's to check; a failure puts everything back.
+/// @throws trainloop::CheckpointError naming the file and what does not fit; nothing changed then.
+inline TrainingProgress restore_checkpoint(
+    CheckpointFile& file, torch::nn::Module& module, torch::optim::Optimizer& optimizer, const KeyedStates& callbacks,
+    std::optional<int64_t> rng_rank,
+    const std::function<void(torch::optim::Optimizer&, torch::serialize::InputArchive&)>& load_optimizer = {}) {
+  std::vector<CheckpointFile::TensorCopy> model_copies;
+  RestoreSteps steps;
+  steps.check_model = [&] { model_copies = file.checked_model_tensors(module); };
+  steps.check_optimizer = [&] { file.check_optimizer(optimizer, /*engine_loads_own_layout=*/static_cast<bool>(load_optimizer)); };
+  steps.load_optimizer = [&] { file.load_optimizer(optimizer, load_optimizer); };
+  steps.load_model = [&] { CheckpointFile::copy_model_tensors(model_copies); };
+  return restore_checkpoint_with(file, optimizer, callbacks, rng_rank, steps);
 }
 
 }  // namespace trainloop::detail

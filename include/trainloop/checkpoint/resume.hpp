@@ -103,7 +103,7 @@ inline ResumeSpec resolve_resume(const Resume& resume, const CheckpointSource* c
     return spec;
   }
   const std::string wanted = resume.path().string();
-  if (std::filesystem::is_directory(wanted)) {
+  if (std::filesystem::is_directory(wanted) && !is_sharded_checkpoint(wanted)) {  // a directory of checkpoints
     spec.candidates = checkpoint_candidates(wanted);
     spec.fall_back = true;
     TRAINLOOP_CHECK(!spec.candidates.empty(), "fit() was asked to resume from directory ", wanted,

@@ -63,7 +63,8 @@ inline std::filesystem::path unique_temporary_path_for(const std::filesystem::pa
 }
 
 /// Removes the temporary files in `dir` whose writer (a trainloop process of this machine and pid
-/// namespace) has ended: what a kill during a write left. Only trainloop's own temporary names
+/// namespace) has ended: what a kill during a write left (files, and the directories of per-rank
+/// checkpoints). Only trainloop's own temporary names
 /// are looked at; files of live writers, of other machines and of anyone else stay. Never throws.
 /// @return how many were removed.
 inline int remove_dead_temporaries(const std::filesystem::path& dir) noexcept {
@@ -75,8 +76,9 @@ inline int remove_dead_temporaries(const std::filesystem::path& dir) noexcept {
       if (!is_temporary_name(name)) continue;
       const std::string owner = temporary_owner_tag(name);
       std::error_code ignored;
-      if (owner.empty() || it->is_directory(ignored) || !owner_tag_is_dead(owner)) continue;
-      if (std::filesystem::remove(it->path(), ignored)) ++removed;
+      if (owner.empty() || !owner_tag_is_dead(owner)) continue;
+      // A directory: a per-rank checkpoint its ranks were filling (detail/atomic_directory.hpp).
+      if (std::filesystem::remove_all(it->path(), ignored) > 0) ++removed;
     }
   } catch (...) {  // a directory that vanishes meanwhile, an allocation failure: cleaning is best effort
   }

@@ -9,7 +9,9 @@
 #include <trainloop/distributed/ddp/comm_hook_choice.hpp>
 #include <trainloop/distributed/ddp/gradient_reducer.hpp>
 #include <trainloop/distributed/zero/flat_layout.hpp>
+#include <trainloop/distributed/zero/shard_checkpoint.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
+#include <trainloop/engine/checkpoint_shares.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/multi_process.hpp>
@@ -156,6 +158,27 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
                                           this->device_);
   }
 
+  // ---- per-rank checkpoints under ZeRO-1 (engine/checkpoint_shares.hpp) ----
+  /// Every rank writes its share of the state once it holds one (the first ZeRO fit, or a per-rank
+  /// checkpoint loaded); the comm hook's state is not in such a checkpoint (a hook starts afresh).
+  bool writes_sharded_checkpoint() const { return zero_.has_value() && this->world_size() > 1; }
+  /// This rank's pieces of the parameters and their optimizer state (views, no copy).
+  std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
+    return distributed::zero_checkpoint_shares(*zero_, module, optimizer, /*values_from_pieces=*/false);
+  }
+  /// Resuming from a per-rank checkpoint under ZeRO: reads only this rank's pieces of the state.
+  bool load_optimizer_shares(torch::optim::Optimizer& optimizer, ShareSource& source) {
+    if (!mode_.zero() || !this->env_ || this->world_size() == 1) return false;
+    distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    if (!zero_) {
+      zero_.emplace(std::make_shared<const distributed::FlatLayout>(optimizer, static_cast<int>(this->world_size())),
+                    static_cast<int>(this->rank()));
+    }
+    zero_->layout().check_same_parameters(optimizer);
+    distributed::load_zero_optimizer_shares(*zero_, *module_, optimizer, source);
+    return true;
+  }
+
  private:
   /// ZeRO-1: the layout of the optimizer state over the ranks, made once (the same in every fit:
   /// the optimizer keys this rank's state by its pieces), and this rank's share of a whole state
@@ -168,7 +191,7 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
                     "same parameter groups in every ZeRO fit of this loop (or a checkpoint written before the "
                     "change, which holds the whole state, resumed by a new loop)");
     if (group_->world_size() == 1) return;
-    if (!zero_) {
+    if (!zero_) {  // made here, or by a per-rank checkpoint loaded before this fit
       zero_.emplace(std::make_shared<const distributed::FlatLayout>(optimizer, group_->world_size()), group_->rank());
     }
     zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces

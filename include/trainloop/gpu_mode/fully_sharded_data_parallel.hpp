@@ -28,9 +28,9 @@
 /// its end the ranks gather it once so the caller holds the trained model, unless
 /// whole_model_after_fit(false).
 
-
 #include <trainloop/distributed/ddp/checkpoint_state.hpp>
 #include <trainloop/distributed/zero/flat_layout.hpp>
+#include <trainloop/distributed/zero/shard_checkpoint.hpp>
 #include <trainloop/distributed/zero/sharded_gradient_norm.hpp>
 #include <trainloop/distributed/zero/sharding.hpp>
 #include <trainloop/distributed/zero/unit_gather_mode.hpp>
@@ -38,6 +38,7 @@
 #include <trainloop/distributed/zero/unit_parameters.hpp>
 #include <trainloop/distributed/zero/units.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
+#include <trainloop/engine/checkpoint_shares.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/multi_process.hpp>
@@ -135,17 +136,7 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
     const distributed::UnitAssignment units = distributed::assign_units(*module_, mode_.sharding_units());
     sharded_model_.check(*module_, level);
     distributed::check_trainable_parameters_in(*module_, optimizer, level);
-    if (!zero_) {
-      layout_ = std::make_shared<const distributed::FlatLayout>(optimizer, group_->world_size(), units.unit_of);
-      if (level == distributed::Sharding::Full) {
-        const auto& distinct = layout_->distinct();
-        for (size_t u = 0; u < layout_->unit_count(); ++u) {
-          own_chunks_.push_back(torch::zeros({layout_->unit_chunk(u)}, distinct.empty() ? torch::TensorOptions()
-                                                                                        : distinct.front().options()));
-        }
-      }
-      zero_.emplace(layout_, group_->rank(), own_chunks_);
-    }
+    make_layout(optimizer, units);
     zero_->keep_own_share(optimizer);  // before the units exist: end_fit puts nothing back if this throws
     gradients_.emplace(layout_, *group_);
     if (level == distributed::Sharding::Full) parameters_.emplace(layout_, *group_, own_chunks_);
@@ -300,7 +291,43 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
     distributed::load_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, nullptr, optimizer, archive, this->device_);
   }
 
+  // ---- per-rank checkpoints (engine/checkpoint_shares.hpp) ----
+  /// Every rank writes its own share once the parameters are laid out (the first fit, or a
+  /// per-rank checkpoint loaded): nothing is gathered. Before that the state is whole everywhere,
+  /// and rank 0 writes one libtorch archive as in the replicated modes.
+  bool writes_sharded_checkpoint() const { return zero_.has_value() && this->world_size() > 1; }
+  /// This rank's pieces of the parameters and of the optimizer state (views, no copy).
+  std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
+    return distributed::zero_checkpoint_shares(*zero_, module, optimizer, /*values_from_pieces=*/parameters_.has_value());
+  }
+  /// Resuming from a per-rank checkpoint in a rank: lays the parameters out as the fit will, and
+  /// reads only this rank's pieces of the optimizer state (any world size wrote it).
+  bool load_optimizer_shares(torch::optim::Optimizer& optimizer, ShareSource& source) {
+    if (!this->env_ || this->world_size() == 1) return false;  // the launching process, one rank: whole states
+    distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    make_layout(optimizer, distributed::assign_units(*module_, mode_.sharding_units()));
+    zero_->layout().check_same_parameters(optimizer);
+    distributed::load_zero_optimizer_shares(*zero_, *module_, optimizer, source);
+    return true;
+  }
+
  private:
+  /// The layout and this rank's pieces (at full, views of its own chunks), made once: in the
+  /// first fit, or when a per-rank checkpoint is loaded before it. The same in every later fit:
+  /// the optimizer keys this rank's state by its pieces.
+  void make_layout(torch::optim::Optimizer& optimizer, const distributed::UnitAssignment& units) {
+    if (zero_) return;
+    layout_ = std::make_shared<const distributed::FlatLayout>(optimizer, static_cast<int>(this->world_size()), units.unit_of);
+    if (mode_.sharding() == distributed::Sharding::Full) {
+      const auto& distinct = layout_->distinct();
+      for (size_t u = 0; u < layout_->unit_count(); ++u) {
+        own_chunks_.push_back(torch::zeros({layout_->unit_chunk(u)}, distinct.empty() ? torch::TensorOptions()
+                                                                                      : distinct.front().options()));
+      }
+    }
+    zero_.emplace(layout_, static_cast<int>(this->rank()), own_chunks_);
+  }
+
   std::shared_ptr<const distributed::FlatLayout> layout_;  // made in the first fit
   std::vector<torch::Tensor> own_chunks_;                   // full: this rank's chunk of each unit, kept over fits
   std::optional<distributed::ZeroOptimizerShard> zero_;     // this rank's pieces and their optimizer state

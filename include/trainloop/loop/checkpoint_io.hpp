@@ -5,21 +5,27 @@
 /// progress, the callbacks' states, and every rank's random stream and partial epoch sums,
 /// gathered to rank 0. Rank 0 writes and every rank agrees it did (checkpoint/loop_checkpoint.hpp);
 /// every rank reads the file itself, all or nothing (checkpoint/restore.hpp). The file's format is
-/// checkpoint/checkpoint_file.hpp's.
+/// checkpoint/checkpoint_file.hpp's. A sharded engine (engine/checkpoint_shares.hpp) writes a
+/// per-rank checkpoint instead, a directory in torch.distributed.checkpoint's layout
+/// (loop/sharded_checkpoint_io.hpp), which every mode reads.
 
 #include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/checkpoint_names.hpp>
+#include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/loop_checkpoint.hpp>
 #include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
+#include <trainloop/engine/checkpoint_shares.hpp>
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optional_members.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/loop/sharded_checkpoint_io.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 
 #include <torch/torch.h>
@@ -76,6 +82,15 @@ class CheckpointIO {
     header.mode = identity_.mode;
     header.world_size = engine.world_size();
     header.batch_size = options_.batch_size();
+    if (writes_sharded_checkpoint(engine)) {  // every rank its share, nothing gathered (a collective)
+      save_sharded_checkpoint(engine, module_, optimizer_, path, [&](const std::filesystem::path& state_file) {
+        torch::serialize::OutputArchive groups;
+        save_optimizer_groups(optimizer_, groups);
+        torch::nn::Module no_model;  // the model is in the ranks' files
+        write_checkpoint(state_file, no_model, groups, snapshot, callbacks, rng, header);
+      });
+      return;
+    }
     // A collective for a sharded mode (its ranks' shards); otherwise only the writer serializes.
     unshard_parameters(engine);  // the model written whole
     torch::serialize::OutputArchive optimizer_state;
@@ -99,11 +114,14 @@ class CheckpointIO {
     progress::PhaseScope phase(progress::Phase::CheckpointRead, path.filename().string());
     std::optional<torch::Device> device;
     if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
-    CheckpointFile file(path, device);
-    // All or nothing: a checkpoint that does not fit leaves the loop as it was (checkpoint/restore.hpp).
-    progress_ = restore_checkpoint(file, module_, optimizer_, callbacks,
-                                   restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt,
-                                   engine_optimizer_loader(engine));
+    const std::optional<int64_t> rng_rank = restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt;
+    if (is_sharded_checkpoint(path)) {
+      progress_ = load_sharded(engine, path, device, callbacks, rng_rank);
+    } else {
+      CheckpointFile file(path, device);
+      // All or nothing: a checkpoint that does not fit leaves the loop as it was (checkpoint/restore.hpp).
+      progress_ = restore_checkpoint(file, module_, optimizer_, callbacks, rng_rank, engine_optimizer_loader(engine));
+    }
     // The partial epoch's sums: with the world size that wrote them each rank continues its own;
     // otherwise rank 0 continues their sum (the samples are re-sharded, the totals stay exact).
     if (progress_.partial_totals.defined() && progress_.partial_totals.size(0) != engine.world_size()) {
@@ -114,6 +132,34 @@ class CheckpointIO {
   }
 
  private:
+  /// A per-rank checkpoint (checkpoint/dcp_checkpoint.hpp), written by any mode and world size:
+  /// the model read tensor by tensor, the optimizer state as this engine keeps it (a sharded
+  /// engine reads only its share), all or nothing as restore_checkpoint().
+  template <ModeEngine Engine>
+  TrainingProgress load_sharded(Engine& engine, const std::filesystem::path& path, std::optional<torch::Device> device,
+                                const KeyedStates& callbacks, std::optional<int64_t> rng_rank) {
+    DcpCheckpoint checkpoint(path);
+    if (!checkpoint.has_loop_state()) {
+      throw CheckpointError(concat("trainloop: ", path.string(), " is a torch.distributed.checkpoint directory without "
+                                   "trainloop's state (", kDcpLoopStateFile, "), such as Python's dcp.save writes: "
+                                   "weights, no progress to resume; expected a checkpoint written by trainloop (load "
+                                   "its weights with interop::load_dcp_weights)"));
+    }
+    CheckpointFile file(path / kDcpLoopStateFile, device);
+    RestoreSteps steps;
+    steps.check_model = [&] { checkpoint.check_model(module_); };
+    steps.check_optimizer = [&] {
+      file.check_optimizer(optimizer_);
+      checkpoint.check_optimizer_states(optimizer_, module_);
+    };
+    steps.load_optimizer = [&] {
+      file.load_optimizer(optimizer_);  // the param groups' options; the state is in the ranks' files
+      if (!load_optimizer_shares(engine, optimizer_, checkpoint)) checkpoint.load_whole_optimizer_states(optimizer_, module_);
+    };
+    steps.load_model = [&] { checkpoint.load_model(module_); };
+    return restore_checkpoint_with(file, optimizer_, callbacks, rng_rank, steps);
+  }
+
   Module& module_;
   torch::optim::Optimizer& optimizer_;
   const TrainLoopOptions& options_;

@@ -9,6 +9,7 @@
 /// written here for the five per-element ones: SGD, Adam, AdamW, Adagrad, RMSprop.
 
 #include <trainloop/error.hpp>
+#include <trainloop/optim/param_state_fields.hpp>
 
 #include <torch/torch.h>
 
@@ -33,39 +34,22 @@ inline torch::Tensor flat_in_layout_of(const torch::Tensor& tensor, const torch:
   return flat_view(torch::empty_strided(parameter.sizes(), parameter.strides(), tensor.options()).copy_(tensor));
 }
 
-/// The state tensors of `state` that hold one value per element of their parameter.
+/// The state tensors of `state` that hold one value per element of their parameter
+/// (optim/param_state_fields.hpp names them).
 inline std::vector<torch::Tensor*> elementwise_fields(torch::optim::OptimizerParamState& state) {
-  namespace optim = torch::optim;
-  if (auto* adamw = dynamic_cast<optim::AdamWParamState*>(&state)) {
-    return {&adamw->exp_avg(), &adamw->exp_avg_sq(), &adamw->max_exp_avg_sq()};
-  }
-  if (auto* adam = dynamic_cast<optim::AdamParamState*>(&state)) {
-    return {&adam->exp_avg(), &adam->exp_avg_sq(), &adam->max_exp_avg_sq()};
-  }
-  if (auto* sgd = dynamic_cast<optim::SGDParamState*>(&state)) return {&sgd->momentum_buffer()};
-  if (auto* adagrad = dynamic_cast<optim::AdagradParamState*>(&state)) return {&adagrad->sum()};
-  if (auto* rmsprop = dynamic_cast<optim::RMSpropParamState*>(&state)) {
-    return {&rmsprop->square_avg(), &rmsprop->momentum_buffer(), &rmsprop->grad_avg()};
-  }
-  return {};
+  std::vector<torch::Tensor*> fields;
+  for (auto& named : optim::named_elementwise_fields(state)) fields.push_back(named.second);
+  return fields;
 }
 
-/// Whether `optimizer` is one whose update is per element (its state fields are known above).
+/// Whether `optimizer` is one whose update is per element (its state fields are known).
 inline bool steps_per_element(const torch::optim::Optimizer& optimizer) {
-  namespace optim = torch::optim;
-  return dynamic_cast<const optim::SGD*>(&optimizer) || dynamic_cast<const optim::Adam*>(&optimizer) ||
-         dynamic_cast<const optim::AdamW*>(&optimizer) || dynamic_cast<const optim::Adagrad*>(&optimizer) ||
-         dynamic_cast<const optim::RMSprop*>(&optimizer);
+  return optim::has_named_state_fields(optimizer);
 }
 
 /// A parameter state of `optimizer`'s type, to deserialize another rank's into.
 inline std::unique_ptr<torch::optim::OptimizerParamState> new_param_state(const torch::optim::Optimizer& optimizer) {
-  namespace optim = torch::optim;
-  if (dynamic_cast<const optim::AdamW*>(&optimizer)) return std::make_unique<optim::AdamWParamState>();
-  if (dynamic_cast<const optim::Adam*>(&optimizer)) return std::make_unique<optim::AdamParamState>();
-  if (dynamic_cast<const optim::SGD*>(&optimizer)) return std::make_unique<optim::SGDParamState>();
-  if (dynamic_cast<const optim::Adagrad*>(&optimizer)) return std::make_unique<optim::AdagradParamState>();
-  return std::make_unique<optim::RMSpropParamState>();  // ZeroOptimizerShard::check_optimizer admits no other
+  return optim::new_param_state(optimizer);  // ZeroOptimizerShard::check_optimizer admits no other type
 }
 
 /// The state of elements [first, first + length) of `parameter`, cut from its whole state

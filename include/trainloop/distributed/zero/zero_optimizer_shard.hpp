@@ -102,6 +102,13 @@ class ZeroOptimizerShard {
   const FlatLayout& layout() const { return *layout_; }
   /// How many pieces of tensors this rank owns (a tensor split at a range's end counts on both ranks).
   size_t piece_count() const { return pieces_.size(); }
+  /// Calls f(where, view) for each of this rank's pieces, in flat order: where it lies in the
+  /// layout and the 1-D view the optimizer keys its state by (a per-rank checkpoint writes and
+  /// reads each piece's state under it: distributed/zero/shard_checkpoint.hpp).
+  template <class F>
+  void for_each_piece(F&& f) const {
+    for (const auto& piece : pieces_) f(piece.where, piece.view);
+  }
 
   /// ZeRO-1: steps this rank's pieces with `optimizer`, their gradients slices of the parameters'
   /// whole (all-reduced) ones, then every owner broadcasts its pieces into the parameters. A
