@@ -4,7 +4,8 @@ Python's torch.save writes (and of a TorchScript archive), and whole files, each
 byte that tells the fuzz target how to read it (0: a torch.save state_dict's pickle; 1: a
 TorchScript archive's pickle; 2: a whole torch.save file; 3: a whole TorchScript archive; with a
 torch that has torch.export, 4: a whole PT2 archive of torch.export.save, 5: its program's JSON,
-6: its weights config; with the safetensors package, 8: a whole .safetensors file).
+6: its weights config; with the safetensors package, 8: a whole .safetensors file; with torch 2.x's
+torch.distributed.checkpoint, 9: a DCP .metadata, 10: a tensor item of a .distcp file).
 
     scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
 
@@ -116,6 +117,37 @@ def safetensors_seeds(small, dtypes):
             'safetensors_dtypes': (8, save_safetensors(every))}
 
 
+def dcp_seeds():
+    """A torch.distributed.checkpoint directory's .metadata (pickle.dump's default protocol and
+    protocol 2) and tensor items of its __0_0.distcp (torch.save blobs: float32 [2, 3], the
+    fixed entry the fuzz target reads them as; a transposed view; a bfloat16 one)."""
+    try:
+        import pickle, tempfile
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+    except ImportError:
+        return {}
+    if not hasattr(dcp, 'FileSystemReader') or not torch.__version__.startswith('2.'):
+        return {}
+    import warnings
+    warnings.filterwarnings('ignore')
+    with tempfile.TemporaryDirectory() as directory:
+        state = {'model': {'w': torch.arange(6.).reshape(2, 3), 't': torch.arange(6.).reshape(3, 2).t(),
+                           'b': torch.ones(5, dtype=torch.bfloat16)},
+                 'optim': {'state': {'w': {'step': torch.tensor(3.)}}, 'param_groups': [{'lr': 0.1, 'params': ['w']}]}}
+        dcp.save(state, checkpoint_id=directory)
+        metadata_bytes = open(os.path.join(directory, '.metadata'), 'rb').read()
+        metadata = FileSystemReader(directory).read_metadata()
+        data = open(os.path.join(directory, '__0_0.distcp'), 'rb').read()
+        def item(fqn):
+            info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+            return data[info.offset:info.offset + info.length]
+        metadata.storage_meta = None
+        return {'dcp_metadata': (9, metadata_bytes), 'dcp_metadata_p2': (9, pickle.dumps(metadata, protocol=2)),
+                'dcp_item': (10, item('model.w')), 'dcp_item_transposed': (10, item('model.t')),
+                'dcp_item_bf16': (10, item('model.b'))}
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -143,6 +175,7 @@ def main():
     }
     seeds.update(export_seeds(small))
     seeds.update(safetensors_seeds(small, dtypes))
+    seeds.update(dcp_seeds())
     for name, (flavor, pickle) in seeds.items():
         with open(os.path.join(out, name), 'wb') as f:
             f.write(bytes([flavor]) + pickle)

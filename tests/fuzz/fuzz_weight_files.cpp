@@ -18,15 +18,20 @@
 //   6: the same, with the input as its data/weights/model_weights_config.json;
 //   8: a whole .safetensors file read by SafetensorsFile: the header's checks, every tensor read,
 //      and a flat element range of each;
-//   9..15: not assigned yet; such inputs are ignored. A new reader takes the next free value (an
+//   9: a DCP .metadata pickle (torch.distributed.checkpoint): parse_metadata, every entry touched,
+//      and what parsed written again (metadata_pickle) must parse to the same (fuzz_dcp.hpp);
+//  10: a DCP .distcp tensor item (a torch.save blob) in a file, read as DistcpReader::read_chunk
+//      reads it for a fixed entry (float32 [2, 3]) and as DistcpItem reads any tensor (fuzz_dcp.hpp);
+//   11..15: not assigned yet; such inputs are ignored. A new reader takes the next free value (an
 //      entry in kReaders and a line here); values never change meaning, so the corpus keeps its.
-// (Selectors 0..7 were the low three bits before 8 came; every seed's first byte is below 8.)
+// (Selectors 0..7 were the low three bits before 8 came; the seeds of then all start below 8.)
 // Then what a reader does with the result is done too: every tensor's bytes are read (so a view
 // outside its storage is an ASan report, not a silent read).
 //
 // Built and run by the ctest test `fuzz_weight_files` (tests/fuzz/run_fuzz.cmake) with clang's
 // -fsanitize=fuzzer,address; seeds: tests/fuzz/corpus (scripts/make-fuzz-corpus.py).
 #include "../pt2_fixture.hpp"
+#include "fuzz_dcp.hpp"
 
 #include <trainloop/serialization/export_graph.hpp>
 #include <trainloop/serialization/graph_program.hpp>
@@ -189,6 +194,8 @@ constexpr Reader kReaders[16] = {
     [](std::string_view b) { read_pt2_with_record("data/weights/model_weights_config.json", b); },  // 6
     read_pt2_bytes,                                                                               // 7
     read_safetensors_bytes,                                                                       // 8
+    fuzz_dcp::fuzz_dcp_metadata,                                                                  // 9
+    fuzz_dcp::fuzz_dcp_item,                                                                      // 10
 };
 
 }  // namespace
