@@ -151,7 +151,7 @@ report_oom() {
     local rank killed=""
     IFS=, read -ra codes <<< "$statuses"
     for rank in "${!codes[@]}"; do [ "${codes[$rank]}" = 137 ] && killed="$killed${killed:+, }rank $rank"; done
-    echo "$name: killed by the kernel's OOM killer under the $limit MiB limit ($killed: SIGKILL, exit status 137; the cgroup's oom_kill count $oom, limit hits $(sed 's/.* failcnt=\([^ ]*\).*/\1/' <<< "$job_line"))"
+    echo "$name: killed by the kernel's OOM killer under the $limit MiB limit ($killed: SIGKILL, exit status 137; the cgroup's oom_kill count $oom)"
     for rank in "${!codes[@]}"; do
       [ "${codes[$rank]}" != 137 ] && [ "${codes[$rank]}" != 0 ] &&
         echo "  rank $rank exited ${codes[$rank]}: $(grep -m1 ERROR "$work/$name-limited.rank$rank.log" | cut -c1-300)"
@@ -202,15 +202,15 @@ names = {'none': 'none (DDP)', 'optimizer': 'optimizer (ZeRO-1)', 'gradients': '
 # Records of the unlimited runs only: they come first; the limited runs are in jobs with limit_mib > 0.
 unlimited = [r for r in rows if r.get('limit_mib') == '0']
 print('\nPeak resident set per rank and phase, MiB, no limit, median [min-max] over the repetitions (n)')
-print('| level | rank | process | model built | setup | steps | evaluation | checkpoint write | resume: prepared | checkpoint load | resumed steps | resumed evaluation | whole run (train / resume) |')
-print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+print('| level | rank | process | model built | setup | steps | evaluation | checkpoint write | resume: prepared | checkpoint load | resume: load to fit begin | resumed steps | resumed evaluation | whole run (train / resume) |')
+print('|---|---|---|---|---|---|---|---|---|---|---|---|---|---|')
 for level in levels:
     for rank in ('0', '1'):
         t = [r for r in unlimited if r['level'] == level and r['rank'] == rank and r['phase'] == 'train' and r['world'] == '2']
         s = [r for r in unlimited if r['level'] == level and r['rank'] == rank and r['phase'] == 'resume' and r['world'] == '2']
         if not t: continue
         g = lambda rs, k: med([r[k] for r in rs if k in r])
-        print(f"| {names[level]} (n={len(t)}) | {rank} | {g(t,'process_rss')} | {g(t,'model_rss')} | {g(t,'setup_peak')} | {g(t,'steps_peak')} | {g(t,'eval_peak')} | {g(t,'ckpt_write_peak')} | {g(s,'prepared_peak')} | {g(s,'ckpt_load_peak')} | {g(s,'steps_peak')} | {g(s,'eval_peak')} | {g(t,'maxrss')} / {g(s,'maxrss')} |")
+        print(f"| {names[level]} (n={len(t)}) | {rank} | {g(t,'process_rss')} | {g(t,'model_rss')} | {g(t,'setup_peak')} | {g(t,'steps_peak')} | {g(t,'eval_peak')} | {g(t,'ckpt_write_peak')} | {g(s,'prepared_peak')} | {g(s,'ckpt_load_peak')} | {g(s,'setup_peak')} | {g(s,'steps_peak')} | {g(s,'eval_peak')} | {g(t,'maxrss')} / {g(s,'maxrss')} |")
 print('\nJob peaks, MiB, no limit: the sum of the ranks\' peaks (training run), and the cgroup\'s memory.max_usage_in_bytes (resident + page cache of the files written: the kernel reclaims the latter under a limit)')
 print('| level | sum of rank peaks (train) | cgroup peak (train) | cgroup peak (resume, 2 ranks) | goal: 16 B x P / W + 2 units + process, per rank |')
 print('|---|---|---|---|---|')
@@ -293,7 +293,7 @@ python3 - "$records" <<'EOF'
 import sys
 rows = [dict(kv.split('=', 1) for kv in l.split() if '=' in kv) for l in open(sys.argv[1]) if l.strip()]
 print('\nUnder the limit: peak resident set per rank and phase, MiB (one run each)')
-print('| job | limit MiB | rank | process | model built | setup | steps | evaluation | checkpoint write | resume: prepared | checkpoint load | read (one process) | whole run | seconds |')
+print('| job | limit MiB | rank | process | model built | setup (resume: load to fit begin) | steps | evaluation | checkpoint write | resume: prepared | checkpoint load | read (one process) | whole run | seconds |')
 print('|---|---|---|---|---|---|---|---|---|---|---|---|---|---|')
 for r in rows:
     if r.get('limit_mib', '0') == '0': continue
