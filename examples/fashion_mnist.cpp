@@ -15,6 +15,7 @@
 
 #include "fashion_net.hpp"
 
+#include <trainloop/interop/dcp_weights.hpp>
 #include <trainloop/interop/safetensors_weights.hpp>
 #include <trainloop/trainloop.hpp>
 
@@ -103,8 +104,9 @@ int main(int argc, char** argv) {
                  "with --save-weights: write the sharded form with at most this many bytes per shard (default for a "
                  "directory: 5e9, Hugging Face's)");
   app.add_option("--load-weights", load_weights,
-                 "before training, load safetensors weights (a .safetensors file, an index .json or a directory with "
-                 "either) into the model; every name, shape and dtype must match");
+                 "before training, load weights into the model: safetensors (a .safetensors file, an index .json or a "
+                 "directory with either) or a torch.distributed.checkpoint directory (a sharded run's checkpoint, or "
+                 "Python's dcp.save({\"model\": ...})); every name, shape and dtype must match");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -129,7 +131,13 @@ int main(int argc, char** argv) {
     torch::manual_seed(seed);
     FashionNet net;
     // Before the loop places the model: the weights are copied into the model's own tensors.
-    if (!load_weights.empty()) trainloop::interop::load_safetensors(*net, load_weights);
+    if (!load_weights.empty()) {
+      if (trainloop::is_sharded_checkpoint(load_weights)) {  // torch.distributed.checkpoint's layout (ours, or dcp.save)
+        trainloop::interop::load_dcp_weights(*net, load_weights);
+      } else {
+        trainloop::interop::load_safetensors(*net, load_weights);
+      }
+    }
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(learning_rate));
     trainloop::TrainLoop loop(  // TrainLoop<FashionNet, gpu_mode::Any>, from `net` and `mode`
         net, train, test, optimizer, torch::nn::CrossEntropyLoss(),

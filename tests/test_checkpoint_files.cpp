@@ -11,6 +11,8 @@
 #include "small_tmpfs.hpp"
 #include "test_support.hpp"
 
+#include <trainloop/detail/atomic_directory.hpp>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -231,6 +233,47 @@ BOOST_AUTO_TEST_CASE(the_next_writer_removes_what_killed_writers_left_and_nothin
   BOOST_TEST(names_in(dir.path) ==
                  (std::vector<std::string>{"epoch=0001-step=000008.ckpt", "epoch=0002-step=000016.ckpt", elsewhere.filename().string(),
                                            live.filename().string(), "last.ckpt"}),
+             boost::test_tools::per_element());
+}
+
+// A per-rank checkpoint is filled as a temporary directory (detail/atomic_directory.hpp): one whose
+// maker was killed is removed by the next writer, a live one stays, and a committed one replaces
+// an earlier directory of the same name whole.
+BOOST_AUTO_TEST_CASE(a_killed_writers_checkpoint_directory_is_removed_and_a_committed_one_appears_whole) {
+  TempDir dir;
+  const fs::path target = dir.path / "epoch=0003-step=000024.ckpt";
+  const pid_t child = ::fork();
+  BOOST_REQUIRE(child >= 0);
+  if (child == 0) {
+    const fs::path temporary = tl::detail::make_temporary_directory_for(target);
+    std::ofstream(temporary / "__0_0.distcp") << std::string(5000, 'x');
+    ::kill(::getpid(), SIGKILL);
+    ::_exit(0);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  BOOST_REQUIRE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  BOOST_REQUIRE_EQUAL(temporaries_in(dir.path), 1);
+  BOOST_TEST(tl::checkpoint_candidates(dir.path).empty());  // never a candidate
+  const fs::path live = tl::detail::make_temporary_directory_for(dir.path / "epoch=0004-step=000032.ckpt");
+  BOOST_TEST(tl::detail::remove_dead_temporaries(dir.path) == 1);
+  BOOST_TEST(fs::is_directory(live));
+  // Written twice under one name: the second directory replaces the first, nothing else remains.
+  for (const char* content : {"first", "second"}) {
+    const fs::path temporary = tl::detail::make_temporary_directory_for(target);
+    std::ofstream(temporary / ".metadata") << content;
+    tl::detail::commit_directory(temporary, target);
+  }
+  std::ifstream metadata(target / ".metadata");
+  std::string text;
+  metadata >> text;
+  BOOST_TEST(text == "second");
+  // ModelCheckpoint's second name of a per-rank checkpoint (its best name): a directory of hard links.
+  const fs::path best = dir.path / "best-epoch=0003-val_loss=0.1000.ckpt";
+  tl::detail::link_atomically(target, best);
+  BOOST_TEST(fs::equivalent(best / ".metadata", target / ".metadata"));
+  fs::remove_all(live);
+  BOOST_TEST(names_in(dir.path) == (std::vector<std::string>{best.filename().string(), target.filename().string()}),
              boost::test_tools::per_element());
 }
 

@@ -9,5 +9,6 @@
 #include <trainloop/interop/python_state_dict.hpp>
 #include <trainloop/interop/exported_program.hpp>
 #include <trainloop/interop/script_module.hpp>
+#include <trainloop/interop/dcp_weights.hpp>
 #include <trainloop/interop/safetensors_weights.hpp>
 #include <trainloop/interop/state_dict.hpp>

@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -20,9 +21,23 @@ namespace trainloop {
 struct TensorShare {
   std::string key;            ///< e.g. "model.fc.weight", "optim.state.fc.weight.exp_avg"
   std::vector<int64_t> size;  ///< the whole tensor's sizes (empty for a 0-d step counter)
-  int64_t begin = 0;          ///< its first element in the whole tensor, in row-major order
+  int64_t begin = 0;          ///< its first element in the whole tensor, in `memory_order`
   torch::Tensor values;       ///< 1-D: elements [begin, begin + values.numel()); any device
+  /// The order the run follows: the tensor's dimensions from outermost to innermost in memory
+  /// (a channels_last weight: {0, 2, 3, 1}); empty: row-major. A run in another order is written
+  /// as the boxes it covers in that order, each a box of the tensor as DCP stores them.
+  std::vector<int64_t> memory_order = {};
 };
+
+/// @brief The dimensions of dense `tensor` from outermost to innermost in memory (by decreasing
+/// stride, ties in dimension order); empty when that is row-major (a contiguous tensor).
+inline std::vector<int64_t> memory_order_of(const torch::Tensor& tensor) {
+  if (tensor.is_contiguous()) return {};
+  std::vector<int64_t> order(static_cast<size_t>(tensor.dim()));
+  for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tensor.stride(a) > tensor.stride(b); });
+  return order;
+}
 
 /// @brief What a rank reads its share of a sharded checkpoint from (checkpoint/dcp_checkpoint.hpp).
 class ShareSource {

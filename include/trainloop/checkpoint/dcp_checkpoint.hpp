@@ -26,6 +26,7 @@
 #include <trainloop/optim/param_state_fields.hpp>
 #include <trainloop/serialization/dcp/distcp_reader.hpp>
 #include <trainloop/serialization/dcp/distcp_writer.hpp>
+#include <trainloop/serialization/dcp/flat_range_boxes.hpp>
 #include <trainloop/serialization/dcp/metadata.hpp>
 #include <trainloop/serialization/dcp/metadata_file.hpp>
 #include <trainloop/detail/torch_compat.hpp>
@@ -45,6 +46,29 @@ namespace trainloop::detail {
 /// The file of a per-rank checkpoint holding the loop's own state (the file comment).
 inline constexpr const char* kDcpLoopStateFile = "trainloop.pt";
 
+/// A run of a tensor stored in another memory order (channels_last): in that order it is a
+/// row-major run of the permuted tensor, so it is the permuted tensor's boxes; each box, permuted
+/// back, is a box of the tensor.
+inline void add_run_in_memory_order(serialization::dcp::DistcpWriter& writer, const TensorShare& share,
+                                    const torch::Tensor& values) {
+  const size_t dims = share.size.size();
+  std::vector<int64_t> permuted(dims), inverse(dims);
+  for (size_t i = 0; i < dims; ++i) {
+    permuted[i] = share.size[static_cast<size_t>(share.memory_order[i])];
+    inverse[static_cast<size_t>(share.memory_order[i])] = static_cast<int64_t>(i);
+  }
+  int64_t at = 0;
+  for (const auto& [offsets, sizes] : serialization::dcp::flat_range_boxes(permuted, share.begin, share.begin + values.numel())) {
+    int64_t count = 1;
+    for (int64_t extent : sizes) count *= extent;
+    std::vector<int64_t> box_offsets(dims);
+    for (size_t i = 0; i < dims; ++i) box_offsets[static_cast<size_t>(share.memory_order[i])] = offsets[i];
+    writer.add_tensor_chunk(share.key, values.narrow(0, at, count).view(sizes).permute(inverse).contiguous(), box_offsets,
+                            share.size);
+    at += count;
+  }
+}
+
 /// Writes this rank's file of a per-rank checkpoint into `directory`: its `shares` and the
 /// tensors it writes `whole` (rank 0: what no rank shards), fsynced; returns its part of the
 /// metadata.
@@ -56,8 +80,10 @@ inline serialization::dcp::Metadata write_rank_file(const std::filesystem::path&
     const torch::Tensor values = share.values.detach().to(torch::kCPU);
     if (share.size.empty()) {
       writer.add_tensor_chunk(share.key, values.reshape({}), {}, {});
-    } else {
+    } else if (share.memory_order.empty()) {
       writer.add_flat_range(share.key, values, share.begin, share.size);
+    } else {
+      add_run_in_memory_order(writer, share, values);
     }
   }
   for (const auto& [key, tensor] : whole) {

@@ -298,6 +298,7 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   bool writes_sharded_checkpoint() const { return zero_.has_value() && this->world_size() > 1; }
   /// This rank's pieces of the parameters and of the optimizer state (views, no copy).
   std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
+    if (parameters_) parameters_->reshard();  // units a callback gathered whole: their values into the chunks
     return distributed::zero_checkpoint_shares(*zero_, module, optimizer, /*values_from_pieces=*/parameters_.has_value());
   }
   /// Resuming from a per-rank checkpoint in a rank: lays the parameters out as the fit will, and

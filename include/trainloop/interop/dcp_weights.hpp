@@ -7,6 +7,7 @@
 /// // Python:  dcp.save({"model": model.state_dict()}, checkpoint_id="weights")
 /// trainloop::interop::load_dcp_weights(*net, "weights");   // then train it in any mode
 /// trainloop::interop::save_dcp_weights(*net, "exported");  // Python: dcp.load({"model": sd}, checkpoint_id="exported")
+/// trainloop::interop::dcp_to_safetensors("runs/last.ckpt", "model.safetensors");  // tensor by tensor
 /// ```
 ///
 /// A trainloop checkpoint of a sharded mode (checkpoint/dcp_checkpoint.hpp) is such a directory
@@ -16,6 +17,7 @@
 
 #include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/detail/atomic_directory.hpp>
+#include <trainloop/interop/safetensors_weights.hpp>
 #include <trainloop/serialization/dcp/metadata_file.hpp>
 
 #include <torch/torch.h>
@@ -35,7 +37,7 @@ namespace trainloop::interop {
 ///         or differs, or the file that is missing or corrupt.
 inline void load_dcp_weights(torch::nn::Module& module, const std::filesystem::path& directory,
                              const std::string& prefix = "model.") {
-  detail::DcpCheckpoint checkpoint(directory);
+  ::trainloop::detail::DcpCheckpoint checkpoint(directory);
   checkpoint.check_model(module, prefix);
   checkpoint.load_model(module, prefix);
 }
@@ -51,17 +53,41 @@ inline void save_dcp_weights(const torch::nn::Module& module, const std::filesys
     if (seen.insert(item.value().unsafeGetTensorImpl()).second) tensors.emplace_back(prefix + item.key(), item.value());
   }
   for (const auto& item : module.named_buffers()) tensors.emplace_back(prefix + item.key(), item.value());
-  const std::filesystem::path temporary = detail::make_temporary_directory_for(directory);
+  const std::filesystem::path temporary = ::trainloop::detail::make_temporary_directory_for(directory);
   try {
-    serialization::dcp::Metadata metadata = detail::write_rank_file(temporary, 0, {}, tensors);
-    for (const auto& [key, entry] : metadata.tensors) metadata.planner_data[key] = detail::planner_path_of(key);
+    serialization::dcp::Metadata metadata = ::trainloop::detail::write_rank_file(temporary, 0, {}, tensors);
+    for (const auto& [key, entry] : metadata.tensors) metadata.planner_data[key] = ::trainloop::detail::planner_path_of(key);
     serialization::dcp::write_metadata(temporary, metadata);
-    detail::commit_directory(temporary, directory);
+    ::trainloop::detail::commit_directory(temporary, directory);
   } catch (...) {
     std::error_code ignored;
     std::filesystem::remove_all(temporary, ignored);
     throw;
   }
+}
+
+/// @brief The weights of a DCP checkpoint `directory` (`prefix` + name: a sharded mode's
+/// per-rank checkpoint, or Python's dcp.save) as safetensors at `path` (one file, or Hugging Face's
+/// sharded form: interop/safetensors_weights.hpp), streamed tensor by tensor: the process holds one
+/// tensor at a time, never the model. So a model bigger than one rank gets its safetensors
+/// without any rank holding it whole: every rank writes its share (TrainLoop::save_checkpoint under
+/// sharding), then one process converts.
+/// @throws trainloop::CheckpointError naming the directory or file that cannot be read or written.
+inline void dcp_to_safetensors(const std::filesystem::path& directory, const std::filesystem::path& path,
+                               const SafetensorsSaveOptions& options = {}, const std::string& prefix = "model.") {
+  ::trainloop::detail::DcpCheckpoint checkpoint(directory);
+  std::vector<serialization::SafetensorsSpec> specs;
+  std::vector<std::string> keys;
+  for (const auto& [key, entry] : checkpoint.metadata().tensors) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    specs.push_back({key.substr(prefix.size()), entry.dtype, entry.size});
+    keys.push_back(key);
+  }
+  if (specs.empty()) {
+    throw CheckpointError(::trainloop::detail::concat("trainloop: checkpoint ", directory.string(), " holds no tensor under '",
+                                         prefix, "'; expected a model's weights (dcp.save({\"model\": ...}))"));
+  }
+  save_safetensors(specs, [&](size_t i) { return checkpoint.read_whole(keys[i]); }, path, options);
 }
 
 }  // namespace trainloop::interop

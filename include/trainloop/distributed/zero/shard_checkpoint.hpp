@@ -4,10 +4,10 @@
 /// (distributed/zero/flat_layout.hpp) as TensorShares — the parameters' values and their optimizer
 /// state — and the reading of exactly those pieces back, whatever world size wrote the checkpoint.
 ///
-/// A piece is a contiguous run of one parameter in its memory order; the checkpoint's runs are in
-/// row-major order, which is the same for a contiguous parameter. A parameter in another memory
-/// order (channels_last) would need its piece reordered, which no rank can do without the whole
-/// tensor: such a model is refused with a clear error (train it contiguous under sharding).
+/// A piece is a contiguous run of one parameter in its memory order: row-major for a contiguous
+/// parameter; for one in another order (channels_last) the share says which (TensorShare::
+/// memory_order) and is written as the boxes it covers. Reading such a parameter's piece of the
+/// state reads the whole field once (the tensor, then the piece cut from it in memory order).
 
 #include <trainloop/checkpoint/checkpoint_shares.hpp>
 #include <trainloop/distributed/zero/flat_layout.hpp>
@@ -32,9 +32,6 @@ inline const std::string& share_key_of(const std::unordered_map<const void*, std
   auto found = keys.find(parameter.unsafeGetTensorImpl());
   TRAINLOOP_CHECK(found != keys.end(), "a parameter the optimizer steps (sizes ", parameter.sizes(), ") is not one of "
                   "the model's; expected the optimizer to hold only the model's parameters");
-  TRAINLOOP_CHECK(parameter.is_contiguous(), "parameter '", found->second.substr(6), "' has strides ", parameter.strides(),
-                  " (not contiguous, e.g. channels_last), which a per-rank checkpoint cannot cut into row-major runs "
-                  "on each rank; expected contiguous parameters under sharding (memory_format contiguous)");
   return found->second;
 }
 }  // namespace detail
@@ -54,12 +51,13 @@ inline std::vector<TensorShare> zero_checkpoint_shares(const ZeroOptimizerShard&
     const torch::Tensor& parameter = distinct[where.distinct];
     const std::string& key = detail::share_key_of(keys, parameter);
     const std::vector<int64_t> size = parameter.sizes().vec();
+    const std::vector<int64_t> order = memory_order_of(parameter);
     torch::Tensor values = values_from_pieces ? view.detach() : detail::flat_view(parameter).narrow(0, where.in_tensor, where.length);
-    shares.push_back({key, size, where.in_tensor, values});
+    shares.push_back({key, size, where.in_tensor, values, order});
     auto found = state.find(::trainloop::detail::optimizer_state_key(state, view));
     if (found == state.end()) return;  // never stepped: no state, as in one process
     for (auto& [field, tensor] : optim::named_elementwise_fields(*found->second)) {
-      if (tensor->defined()) shares.push_back({state_share_key(key, field), size, where.in_tensor, tensor->reshape({-1})});
+      if (tensor->defined()) shares.push_back({state_share_key(key, field), size, where.in_tensor, tensor->reshape({-1}), order});
     }
     if (const auto step = optim::state_step(*found->second); step && where.in_tensor == 0) {
       shares.push_back({state_share_key(key, "step"), {}, 0, torch::full({1}, static_cast<double>(*step), torch::kFloat64)});
@@ -77,13 +75,19 @@ inline void load_zero_optimizer_shares(const ZeroOptimizerShard& shard, const to
   const std::vector<torch::Tensor>& distinct = shard.layout().distinct();
   auto& state = optimizer.state();
   shard.for_each_piece([&](const FlatLayout::Piece& where, const torch::Tensor& view) {
-    const std::string& key = detail::share_key_of(keys, distinct[where.distinct]);
+    const torch::Tensor& parameter = distinct[where.distinct];
+    const std::string& key = detail::share_key_of(keys, parameter);
     std::unique_ptr<torch::optim::OptimizerParamState> piece_state = optim::new_param_state(optimizer);
     bool any = false;
     for (auto& [field, tensor] : optim::named_elementwise_fields(*piece_state)) {
       const std::string field_key = state_share_key(key, field);
       if (!source.has(field_key)) continue;
-      *tensor = source.read_range(field_key, where.in_tensor, where.in_tensor + where.length).to(view.device());
+      if (parameter.is_contiguous()) {
+        *tensor = source.read_range(field_key, where.in_tensor, where.in_tensor + where.length).to(view.device());
+      } else {  // the piece is a run in the parameter's memory order: cut from the whole field
+        *tensor = detail::flat_in_layout_of(source.read_whole(field_key), parameter).narrow(0, where.in_tensor, where.length)
+                      .clone().to(view.device());
+      }
       any = true;
     }
     if (!any) return;
