@@ -109,10 +109,11 @@ inline int64_t checked_numel(const std::vector<int64_t>& size) {
   return numel;
 }
 
-/// @brief Checks that the chunks of `entry` lie inside the tensor, overlap nowhere, and cover it
-/// exactly (their elements add up to its own). `source` names the file or part in errors.
+/// @brief Checks that the chunks of `entry` lie inside the tensor, overlap nowhere, and, when
+/// `whole` (a checkpoint, not one rank's part of it), cover it exactly (their elements add up to
+/// its own). `source` names the file or part in errors.
 /// @throws trainloop::CheckpointError naming the fqn and `source`.
-inline void check_chunks_cover(const TensorEntry& entry, const std::string& source) {
+inline void check_chunks_cover(const TensorEntry& entry, const std::string& source, bool whole = true) {
   using trainloop::detail::concat;
   auto fail = [&](const std::string& what) {
     throw CheckpointError(concat("trainloop: ", source, ": the tensor ", entry.fqn, " ", what));
@@ -179,7 +180,7 @@ inline void check_chunks_cover(const TensorEntry& entry, const std::string& sour
       }
     }
   }
-  if (covered != numel) fail(concat("has chunks of ", covered, " of its ", numel, " elements; expected every element stored"));
+  if (whole && covered != numel) fail(concat("has chunks of ", covered, " of its ", numel, " elements; expected every element stored"));
 }
 
 /// @brief Joins the ranks' parts (DistcpWriter::finish of each) into one checkpoint's metadata:

@@ -100,11 +100,12 @@ inline bool plain_file_name(const std::string& name) {
 /// @param source names it in errors (the file's path)
 /// @throws trainloop::CheckpointError naming `source`: a global not on the allow-list (os.system,
 ///         builtins.eval...), a pickle that is not DCP's Metadata, a chunk without its storage,
-///         chunks that overlap or leave elements out, an item whose file is not a plain name in
-///         the directory, stream transforms (compression), a dtype it cannot name.
+///         chunks outside their tensor, overlapping, or (complete) leaving elements out, an item
+///         whose file is not a plain name in the directory, stream transforms (compression), a
+///         dtype it cannot name.
 /// @param complete false for one rank's part (metadata_pickle of DistcpWriter::finish, shipped to
 ///        rank 0 to merge), whose chunks cover only that rank's share: coverage is then
-///        merge_metadata's to check
+///        merge_metadata's to check (inside the tensor and no overlaps are checked either way)
 inline Metadata parse_metadata(std::string_view pickle, const std::string& source, bool complete = true) {
   using Kind = PickleValue::Kind;
   PickleDocument document;
@@ -154,7 +155,7 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
       chunk.sizes = walk.ints(walk.required(chunk_state, "sizes", "ChunkStorageMetadata"), "a chunk's sizes");
       entry.chunks.push_back(std::move(chunk));
     }
-    if (complete) check_chunks_cover(entry, source);
+    check_chunks_cover(entry, source, /*whole=*/complete);  // inside, no overlaps; covering all when complete
     if (out.bytes.count(fqn) || !out.tensors.emplace(fqn, std::move(entry)).second) walk.fail("names ", fqn, " twice; expected each key once");
   }
   // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo(relative_path, offset, length).
