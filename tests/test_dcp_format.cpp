@@ -202,7 +202,10 @@ dcp::Metadata write_two_ranks(const fs::path& directory, const std::map<std::str
     }
     parts.push_back(writer.finish());
   }
-  auto merged = dcp::merge_metadata(parts);
+  // Each part travels to rank 0 as its pickle (it covers only its rank's elements).
+  std::vector<dcp::Metadata> shipped;
+  for (const auto& part : parts) shipped.push_back(dcp::parse_metadata(dcp::metadata_pickle(part), "a rank's part", /*complete=*/false));
+  auto merged = dcp::merge_metadata(shipped);
   dcp::write_metadata(directory, merged);
   return merged;
 }
@@ -526,6 +529,13 @@ BOOST_AUTO_TEST_CASE(bad_checkpoints_are_clear_errors_naming_the_file) {
   auto partial = metadata;
   partial.tensors.at("model.w4").chunks.pop_back();
   BOOST_TEST(contains(error_of([&] { dcp::merge_metadata({partial}); }), "the tensor model.w4 has chunks of "));
+  const auto gap = copy_of("gap");
+  dcp::write_metadata(gap, partial);
+  BOOST_TEST(contains(read_error(gap), (gap / ".metadata").string() + ": the tensor model.w4 has chunks of "));
+  BOOST_TEST(contains(read_error(gap), "; expected every element stored"));
+  BOOST_TEST(contains(error_of([&] { dcp::parse_metadata(dcp::metadata_pickle(partial), "a part", false); }), "<no trainloop::Error"));
+  BOOST_TEST(contains(error_of([&] { dcp::parse_metadata(dcp::metadata_pickle(overlapping), "a part", false); }),
+                      "a part: the tensor model.w3 has chunks that overlap"));
   auto other_size = metadata;
   other_size.tensors.at("model.w2").size = {4, 6};
   BOOST_TEST(contains(error_of([&] { dcp::merge_metadata({metadata, other_size}); }),
