@@ -21,7 +21,8 @@
 //   ends (the ranks exit: the "kill" after the checkpoint).
 // - resume: the loop is prepared (loop.barrier(): process group, sharding), then
 //   loop.load_checkpoint(newest checkpoint in --checkpoints) (timed), then one more epoch with
-//   validation, on any number of ranks.
+//   validation, on any number of ranks; with --resume-in-fit, fit(1, ..., Resume::from(newest))
+//   instead (the load is then part of the setup phase).
 // - read-weights: one process, no distribution: interop::load_dcp_weights's reader (the checkpoint's
 //   detail::DcpCheckpoint: check_model, load_model) into a whole DeepLinear (weights only, the reader of single mode for a per-rank checkpoint).
 // - read-loop: one process, gpu_mode::Single: TrainLoop::load_checkpoint (weights and the whole
@@ -198,6 +199,10 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch_size, "per-rank batch size");
   app.add_option("--steps", steps, "optimizer steps per epoch at 2 ranks (the dataset: 2 x batch x steps samples)");
   app.add_option("--val-samples", val_samples, "validation samples");
+  bool resume_in_fit = false;
+  app.add_flag("--resume-in-fit", resume_in_fit,
+               "resume: fit(1, callbacks, Resume::from(checkpoint)) (the loop loads it as the fit starts) instead of "
+               "load_checkpoint() before fit()");
   CLI11_PARSE(app, argc, argv);
   Record record;
   const auto program_start = Clock::now();
@@ -278,6 +283,13 @@ int main(int argc, char** argv) {
       record.add("ckpt", path.filename().string()).add("ckpt_bytes", size_of(path));
       record.add("optimizer_state_bytes", history.last().optimizer_state_bytes);
       record.add("train_loss", history.last().train_loss);
+      if (history.last().validation) record.add("val_loss", history.last().validation->loss);
+    } else if (resume_in_fit) {  // resume: the fit loads the checkpoint (its setup phase holds the load)
+      const fs::path path = newest_checkpoint(checkpoints);
+      record.add("resume", "in-fit");
+      auto history = loop.fit(1, {peaks}, tl::Resume::from(path.string()));
+      peaks->write(false);
+      record.add("epochs", history.epochs.size());
       if (history.last().validation) record.add("val_loss", history.last().validation->loss);
     } else {  // resume
       const fs::path path = newest_checkpoint(checkpoints);

@@ -5,6 +5,7 @@
 # holds the model. benchmarks/model_bigger_than_a_rank.cpp is one rank.
 #
 #   benchmarks/run_memory_limit.sh <build-dir> [repetitions] [limit-MiB|auto]
+#   MBR_ONLY_LIMITED=1 benchmarks/run_memory_limit.sh <build-dir> 0 <limit-MiB>   (part 2 only)
 #
 # 1. Without a limit (each job still in a cgroup of its own, to read its peak), repetitions
 #    interleaved and rotated: every level (none = plain DDP, optimizer = ZeRO-1, gradients, full)
@@ -14,8 +15,8 @@
 #    (MBR_ALL_LEVELS_REPS to change). Peak resident set per rank and phase, job peaks.
 # 2. The limit: the given MiB, or (auto) halfway between full's and plain DDP's job peak (the sum
 #    of the ranks' peaks, medians over the repetitions), rounded down to 100 MiB. Under it: full
-#    trains + validates + checkpoints on 2 ranks; resumes on 3 ranks under the same limit and under
-#    the limit x 3/2; the checkpoint is read by one process (load_dcp_weights: weights only; and
+#    trains + validates + checkpoints on 2 ranks; resumes on 3 ranks under the same limit
+#    (load_checkpoint before fit(), and fit(..., Resume::from)) and under the limit x 3/2; the checkpoint is read by one process (load_dcp_weights: weights only; and
 #    TrainLoop::load_checkpoint in gpu_mode::Single: weights and the whole Adam state); plain DDP
 #    trains on 2 ranks (the control: killed by the kernel's OOM killer).
 #
@@ -72,6 +73,9 @@ rmdir "$probe"
 echo "cgroup v$cg_version under $cg_parent; MALLOC_MMAP_THRESHOLD_=$MALLOC_MMAP_THRESHOLD_; $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; $(date -u '+%Y-%m-%d %H:%M UTC')"
 
 group_count=0
+group=""
+# A job interrupted: its group goes too (once its ranks are gone).
+trap '[ -n "$group" ] && rmdir "$group" 2>/dev/null' EXIT
 # make_group <limit-MiB or 0>: a fresh group (path in $group) limited to that (0: no limit).
 make_group() {
   group_count=$((group_count + 1))
@@ -105,10 +109,10 @@ group_counters() {
 }
 drop_group() { rmdir "$group" 2>/dev/null || true; }
 
-# run_job <label> <limit-MiB or 0> <world> <phase> <level> <checkpoints>: the ranks, joined, in
-# one fresh group; appends a line to $jobs; $job_line holds it.
+# run_job <label> <limit-MiB or 0> <world> <phase> <level> <checkpoints> [flag]: the ranks, joined,
+# in one fresh group; appends a line to $jobs; $job_line holds it.
 run_job() {
-  local label=$1 limit=$2 world=$3 phase=$4 level=$5 checkpoints=$6
+  local label=$1 limit=$2 world=$3 phase=$4 level=$5 checkpoints=$6 flags=("${@:7}")
   make_group "$limit" || { echo "cannot create or limit a cgroup under $cg_parent"; exit 1; }
   local port=$((20000 + RANDOM % 20000))
   local pids=() rank start end
@@ -118,7 +122,7 @@ run_job() {
       # The subshell enters the group, then becomes the rank (exec): nothing else is in it.
       ( echo "$BASHPID" > "$group/cgroup.procs" &&
         exec env RANK=$rank WORLD_SIZE=$world LOCAL_RANK=$rank LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
-          MASTER_PORT=$port "$program" --phase "$phase" --level "$level" --checkpoints "$checkpoints" --record "$records"
+          MASTER_PORT=$port "$program" --phase "$phase" --level "$level" --checkpoints "$checkpoints" --record "$records" "${flags[@]}"
       ) > "$work/$label.rank$rank.log" 2>&1 &
     else
       ( echo "$BASHPID" > "$group/cgroup.procs" &&
@@ -164,6 +168,9 @@ report_oom() {
 }
 
 # --- 1. without a limit ----------------------------------------------------------------------
+only_limited=${MBR_ONLY_LIMITED:-0}  # 1 (with a given limit): part 2 only
+if [ "$only_limited" = 1 ] && [ "$limit_arg" = auto ]; then echo "MBR_ONLY_LIMITED=1 needs a limit in MiB"; exit 2; fi
+[ "$only_limited" = 1 ] && repetitions=0
 levels="none optimizer gradients full"
 echo "== 1. no limit: $repetitions repetitions, interleaved (none and full every repetition, optimizer and gradients $all_levels_reps)"
 current_rep=0
@@ -240,7 +247,7 @@ for level in levels:
         print(f"| {names[level]} (n={len(t)}) | {rank} | {med([r['ckpt_write_s'] for r in t])} | {med([r['ckpt_load_s'] for r in s])} | {t[0]['ckpt_bytes']} | {med([r['step_s_median'] for r in t])} |")
 EOF
 }
-tables
+[ "$only_limited" = 1 ] || tables
 
 # --- 2. under the limit ----------------------------------------------------------------------
 if [ "$limit_arg" = auto ]; then
@@ -272,6 +279,9 @@ if ! job_failed; then
   echo "full, 3 ranks: resume from that checkpoint (load, one epoch, validate), the same job-wide limit"
   run_job full-resume3-limited "$limit" 3 resume full "$ck"
   report_oom full-resume3 "$limit"
+  echo "full, 3 ranks: resume inside fit (fit(1, ..., Resume::from(checkpoint))), the same job-wide limit"
+  run_job full-resume3-infit-limited "$limit" 3 resume full "$ck" --resume-in-fit
+  report_oom full-resume3-infit "$limit"
   limit3=$((limit * 3 / 2))
   echo "full, 3 ranks: resume, the limit scaled for 3 ranks (x 3/2)"
   run_job full-resume3-scaled-limited "$limit3" 3 resume full "$ck"
