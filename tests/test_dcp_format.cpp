@@ -594,6 +594,13 @@ BOOST_AUTO_TEST_CASE(bad_metadata_is_a_clear_error_and_runs_no_code) {
   BOOST_TEST(contains(with_metadata(good.substr(0, good.size() / 2)), "is not a pickle of DCP's Metadata (at byte "));
   BOOST_TEST(contains(with_metadata("not a pickle"), "is not a pickle of DCP's Metadata"));
   BOOST_TEST(contains(with_metadata(Pickle().tensor(4, 0, {4}, {1}).stop()), "the global \"torch._utils._rebuild_tensor_v2\""));
+  // A stranger's key in a message is escaped and cut: a 100,000-byte name with a terminal escape.
+  dcp::Metadata long_name;
+  const std::string name = "\x1b[2J" + std::string(100000, 'k');
+  long_name.tensors[name] = {name, torch::kFloat, {2}, false, {{{0}, {3}, "__0_0.distcp", 0, 1}}};
+  const auto long_error = error_of([&] { dcp::parse_metadata(dcp::metadata_pickle(long_name), "long"); });
+  BOOST_TEST(contains(long_error, "long: the tensor \\x1b[2Jkkk"));
+  BOOST_TEST(long_error.size() < 1000u);
   // The whole pickle is fine, but its file is not there.
   BOOST_TEST(contains(with_metadata(good), (dir.path / "__0_0.distcp").string() + ", which " + metadata_path + " names for x, does not exist"));
 }

@@ -149,7 +149,7 @@ class DistcpItem {
   /// @throws trainloop::CheckpointError naming the file, the item and the tensor.
   void check(const std::string& fqn, c10::ScalarType dtype, const std::vector<int64_t>& size) const {
     if (view_.scalar_type() != dtype || view_.sizes().vec() != size) {
-      fail(trainloop::detail::concat("holds a ", view_.scalar_type(), " tensor of size ", view_.sizes(), " for ", fqn,
+      fail(trainloop::detail::concat("holds a ", view_.scalar_type(), " tensor of size ", view_.sizes(), " for ", escape_untrusted(fqn),
                                      "; expected ", dtype, " of size ", c10::IntArrayRef(size), " (the metadata's chunk)"));
     }
   }

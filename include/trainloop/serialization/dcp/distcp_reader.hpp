@@ -71,7 +71,7 @@ class DistcpReader {
     using trainloop::detail::concat;
     const int64_t numel = checked_numel(entry.size);
     if (numel < 0 || begin < 0 || end < begin || end > numel) {
-      throw CheckpointError(concat("trainloop: the DCP tensor ", entry.fqn, " of size ", c10::IntArrayRef(entry.size), " is read at [", begin,
+      throw CheckpointError(concat("trainloop: the DCP tensor ", escape_untrusted(entry.fqn), " of size ", c10::IntArrayRef(entry.size), " is read at [", begin,
                                    ", ", end, "); expected a range inside its ", numel, " elements"));
     }
     auto out = torch::empty({end - begin}, torch::TensorOptions().dtype(entry.dtype));
@@ -117,7 +117,7 @@ class DistcpReader {
       }
     }
     if (filled != end - begin) {
-      throw CheckpointError(concat("trainloop: the DCP tensor ", entry.fqn, "'s chunks hold ", filled, " of the elements [", begin, ", ", end,
+      throw CheckpointError(concat("trainloop: the DCP tensor ", escape_untrusted(entry.fqn), "'s chunks hold ", filled, " of the elements [", begin, ", ", end,
                                    "); expected chunks that cover it once"));
     }
     return out;
@@ -165,7 +165,7 @@ class DistcpReader {
     const uint64_t size = sizes_.at(file.path().filename().string());  // opened by open_file under this name
     if (offset < 0 || length < 0 || static_cast<uint64_t>(offset) > size || static_cast<uint64_t>(length) > size - static_cast<uint64_t>(offset)) {
       throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", file.path().string(), " has ", size,
-                                                      " bytes, but the item of ", fqn, " is at bytes ", offset, "-", offset + length,
+                                                      " bytes, but the item of ", escape_untrusted(fqn), " is at bytes ", offset, "-", offset + length,
                                                       "; expected every item inside its file (is the file truncated?)"));
     }
   }

@@ -7,6 +7,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/dcp/flat_range_boxes.hpp>
+#include <trainloop/serialization/quoted.hpp>
 
 #include <torch/torch.h>
 
@@ -116,7 +117,7 @@ inline int64_t checked_numel(const std::vector<int64_t>& size) {
 inline void check_chunks_cover(const TensorEntry& entry, const std::string& source, bool whole = true) {
   using trainloop::detail::concat;
   auto fail = [&](const std::string& what) {
-    throw CheckpointError(concat("trainloop: ", source, ": the tensor ", entry.fqn, " ", what));
+    throw CheckpointError(concat("trainloop: ", source, ": the tensor ", escape_untrusted(entry.fqn), " ", what));
   };
   const int64_t numel = checked_numel(entry.size);
   if (numel < 0) fail(concat("has the size ", c10::IntArrayRef(entry.size), "; expected sizes >= 0 whose product fits int64"));

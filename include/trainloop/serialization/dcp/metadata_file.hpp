@@ -7,6 +7,7 @@
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/dcp/metadata.hpp>
+#include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/dcp/metadata_parse.hpp>
 #include <trainloop/serialization/dcp/metadata_pickle.hpp>
 #include <trainloop/serialization/pickle_limits.hpp>
@@ -44,7 +45,7 @@ inline void check_items_in_files(const std::filesystem::path& directory, const M
       std::error_code error;
       if (!std::filesystem::is_regular_file(path, error)) {
         throw CheckpointError(concat("trainloop: the DCP data file ", path.string(), ", which ", (directory / kMetadataFileName).string(),
-                                     " names for ", fqn, ", does not exist; expected every file of the checkpoint"));
+                                     " names for ", escape_untrusted(fqn), ", does not exist; expected every file of the checkpoint"));
       }
       const auto size = std::filesystem::file_size(path, error);
       if (error) throw CheckpointError(concat("trainloop: cannot read the size of ", path.string(), " (", error.message(), "); expected a readable file"));
@@ -53,7 +54,7 @@ inline void check_items_in_files(const std::filesystem::path& directory, const M
     if (offset < 0 || length < 0 || static_cast<uint64_t>(offset) > found->second ||
         static_cast<uint64_t>(length) > found->second - static_cast<uint64_t>(offset)) {
       throw CheckpointError(concat("trainloop: the DCP data file ", (directory / relative_path).string(), " has ", found->second,
-                                   " bytes, but the item of ", fqn, " is at bytes ", offset, "-", offset + length,
+                                   " bytes, but the item of ", escape_untrusted(fqn), " is at bytes ", offset, "-", offset + length,
                                    "; expected every item inside its file (is the file truncated?)"));
     }
   };

@@ -139,13 +139,13 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
     if (fields.size() != 5) walk.fail("has a TensorProperties state of ", fields.size(), " fields; expected 5");
     if (fields[0].kind != Kind::Global || document.text(fields[0]).rfind("torch.", 0) != 0 ||
         !dtype_from_name(std::string_view(document.text(fields[0])).substr(6), entry.dtype)) {
-      walk.fail("gives ", fqn, " the dtype ", fields[0].kind == Kind::Global ? quote_untrusted(document.text(fields[0])) : a_kind(fields[0].kind),
+      walk.fail("gives ", escape_untrusted(fqn), " the dtype ", fields[0].kind == Kind::Global ? quote_untrusted(document.text(fields[0])) : a_kind(fields[0].kind),
                 "; expected torch.float32, float64, float16, bfloat16, int8-64, uint8, bool or complex64/128");
     }
     if (fields[1].kind != Kind::String || document.text(fields[1]) != "torch.strided") {
-      walk.fail("gives ", fqn, " a layout other than torch.strided; expected dense tensors");
+      walk.fail("gives ", escape_untrusted(fqn), " a layout other than torch.strided; expected dense tensors");
     }
-    if (fields[2].kind != Kind::Bool) walk.fail("gives ", fqn, " a requires_grad of ", a_kind(fields[2].kind), "; expected a bool");
+    if (fields[2].kind != Kind::Bool) walk.fail("gives ", escape_untrusted(fqn), " a requires_grad of ", a_kind(fields[2].kind), "; expected a bool");
     entry.requires_grad = fields[2].integer != 0;
     entry.size = walk.ints(walk.required(state, "size", "TensorStorageMetadata"), "a size");
     for (const auto& chunk_value : walk.items(walk.required(state, "chunks", "TensorStorageMetadata"), Kind::List, "chunks")) {
@@ -156,7 +156,7 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
       entry.chunks.push_back(std::move(chunk));
     }
     check_chunks_cover(entry, source, /*whole=*/complete);  // inside, no overlaps; covering all when complete
-    if (out.bytes.count(fqn) || !out.tensors.emplace(fqn, std::move(entry)).second) walk.fail("names ", fqn, " twice; expected each key once");
+    if (out.bytes.count(fqn) || !out.tensors.emplace(fqn, std::move(entry)).second) walk.fail("names ", escape_untrusted(fqn), " twice; expected each key once");
   }
   // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo(relative_path, offset, length).
   std::map<std::pair<std::string, std::vector<int64_t>>, StoredChunk> stored;  // (fqn, offsets) -> where
@@ -171,12 +171,12 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
     where.offset = walk.integer(walk.required(info, "offset", "_StorageInfo"), "an item offset");
     where.length = walk.integer(walk.required(info, "length", "_StorageInfo"), "an item length");
     if (!detail::plain_file_name(where.relative_path)) {
-      walk.fail("puts ", fqn, " in ", quote_untrusted(where.relative_path), "; expected a file name in the checkpoint's directory");
+      walk.fail("puts ", escape_untrusted(fqn), " in ", quote_untrusted(where.relative_path), "; expected a file name in the checkpoint's directory");
     }
-    if (where.offset < 0 || where.length < 0) walk.fail("puts ", fqn, " at offset ", where.offset, " length ", where.length, "; expected both >= 0");
+    if (where.offset < 0 || where.length < 0) walk.fail("puts ", escape_untrusted(fqn), " at offset ", where.offset, " length ", where.length, "; expected both >= 0");
     if (const auto* transforms = walk.field(info, "transform_descriptors");
         transforms != nullptr && transforms->kind != Kind::None && !(transforms->is_container() && document.items(*transforms).empty())) {
-      walk.fail("stores ", fqn, " through stream transforms (FileSystemWriter's _extensions); expected items written plainly");
+      walk.fail("stores ", escape_untrusted(fqn), " through stream transforms (FileSystemWriter's _extensions); expected items written plainly");
     }
     const auto* offset = walk.field(index, "offset");
     if (offset == nullptr || offset->kind == Kind::None) {
@@ -188,7 +188,7 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
   for (auto& [fqn, entry] : out.tensors) {
     for (auto& chunk : entry.chunks) {
       const auto found = stored.find({fqn, chunk.offsets});
-      if (found == stored.end()) walk.fail("has no storage_data for the chunk of ", fqn, " at ", c10::IntArrayRef(chunk.offsets), "; expected one per chunk");
+      if (found == stored.end()) walk.fail("has no storage_data for the chunk of ", escape_untrusted(fqn), " at ", c10::IntArrayRef(chunk.offsets), "; expected one per chunk");
       chunk.relative_path = found->second.relative_path;
       chunk.offset = found->second.offset;
       chunk.length = found->second.length;
@@ -196,7 +196,7 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
   }
   for (auto& [fqn, entry] : out.bytes) {
     const auto found = stored_bytes.find(fqn);
-    if (found == stored_bytes.end()) walk.fail("has no storage_data for the bytes value ", fqn, "; expected one");
+    if (found == stored_bytes.end()) walk.fail("has no storage_data for the bytes value ", escape_untrusted(fqn), "; expected one");
     entry = found->second;
   }
   // planner_data (Any to DCP): fqn -> a tuple of strs and ints, when it is that.
