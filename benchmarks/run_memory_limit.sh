@@ -34,11 +34,6 @@ all_levels_reps=${MBR_ALL_LEVELS_REPS:-1}
 program=$(cd "$build" && pwd)/benchmarks/model_bigger_than_a_rank
 work=${MBR_WORK:-/tmp/trainloop_memory_limit.$$}
 [ -x "$program" ] || { echo "no $program: build the model_bigger_than_a_rank target"; exit 2; }
-mkdir -p "$work"
-records=$work/records.txt  # the ranks' lines (model_bigger_than_a_rank --record)
-jobs=$work/jobs.txt        # one line per job: its cgroup's counters and the ranks' exit statuses
-: > "$records"
-: > "$jobs"
 
 # --- the cgroup ------------------------------------------------------------------------------
 cg_version=""
@@ -70,6 +65,11 @@ if ! mkdir "$probe" 2>/dev/null; then
   exit 0
 fi
 rmdir "$probe"
+mkdir -p "$work"
+records=$work/records.txt  # the ranks' lines (model_bigger_than_a_rank --record)
+jobs=$work/jobs.txt        # one line per job: its cgroup's counters and the ranks' exit statuses
+: > "$records"
+: > "$jobs"
 echo "cgroup v$cg_version under $cg_parent; MALLOC_MMAP_THRESHOLD_=$MALLOC_MMAP_THRESHOLD_; $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; $(date -u '+%Y-%m-%d %H:%M UTC')"
 
 group_count=0
