@@ -23,8 +23,8 @@
 //   loop.load_checkpoint(newest checkpoint in --checkpoints) (timed), then one more epoch with
 //   validation, on any number of ranks; with --resume-in-fit, fit(1, ..., Resume::from(newest))
 //   instead (the load is then part of the setup phase).
-// - read-weights: one process, no distribution: interop::load_dcp_weights's reader (the checkpoint's
-//   detail::DcpCheckpoint: check_model, load_model) into a whole DeepLinear (weights only, the reader of single mode for a per-rank checkpoint).
+// - read-weights: one process, no distribution: trainloop::interop::load_dcp_weights into a
+//   whole DeepLinear (weights only, the reader of single mode for a per-rank checkpoint).
 // - read-loop: one process, gpu_mode::Single: TrainLoop::load_checkpoint (weights and the whole
 //   Adam state).
 //
@@ -40,7 +40,7 @@
 // once the whole model and the loop exist, before fit().
 
 #include <trainloop/trainloop.hpp>
-#include <trainloop/checkpoint/dcp_checkpoint.hpp>
+#include <trainloop/interop/dcp_weights.hpp>
 
 #include "deep_linear.hpp"
 
@@ -233,11 +233,7 @@ int main(int argc, char** argv) {
       record.mib("model_rss", resident_mib());
       reset_peak();
       const auto start = Clock::now();
-      // What trainloop::interop::load_dcp_weights(*net, path) does (interop/dcp_weights.hpp, whose
-      // working copy did not compile on 2026-11-27: its `detail::` resolved to interop::detail).
-      tl::detail::DcpCheckpoint reader(path);
-      reader.check_model(*net, "model.");
-      reader.load_model(*net, "model.");
+      tl::interop::load_dcp_weights(*net, path);
       record.secs("read_s", seconds_since(start)).mib("read_peak", peak_mib()).mib("maxrss", maxrss_mib());
       record.add("ckpt_bytes", size_of(path));
       std::ofstream(record_path, std::ios::app) << record.text.str() << '\n';
