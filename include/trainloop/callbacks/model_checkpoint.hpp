@@ -11,9 +11,11 @@
 /// @endcode
 ///
 /// Files: `epoch=0003-step=000120.ckpt` (periodic), `best-epoch=0003-val_accuracy=0.9123.ckpt`
-/// (best K), `last.ckpt` (a symbolic link to the newest, replaced atomically). Every file is a
-/// complete checkpoint written by rank 0 only, atomically (checkpoint/checkpoint_file.hpp), and
-/// loadable in any mode and world size, or by a plain libtorch program (`torch::load(model, f)`).
+/// (best K), `last.ckpt` (a symbolic link to the newest, replaced atomically). Every one is a
+/// complete checkpoint, written atomically and loadable in any mode and world size: a file written
+/// by rank 0 (checkpoint/checkpoint_file.hpp; a plain libtorch program reads it with
+/// `torch::load(model, f)`), or, from a sharded mode, a directory every rank wrote its share into
+/// (torch.distributed.checkpoint's layout: checkpoint/dcp_checkpoint.hpp; Python's `dcp.load` reads it).
 /// A checkpoint that cannot be written (disk full, read-only directory) stops training with an
 /// error naming the path, unless stop_on_error(false) (then it is reported and training goes on).
 

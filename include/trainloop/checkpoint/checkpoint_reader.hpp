@@ -34,6 +34,11 @@ class CheckpointFile {
   /// @throws trainloop::CheckpointError naming the file when it is missing, truncated or
   ///         corrupt, not a trainloop checkpoint, or of a newer format.
   CheckpointFile(std::filesystem::path path, std::optional<torch::Device> device) : path_(std::move(path)) {
+    if (std::filesystem::is_directory(path_)) {
+      throw CheckpointError(concat("trainloop: checkpoint ", path_.string(), " is a directory without a .metadata "
+                                   "file; expected a checkpoint file, or a per-rank checkpoint's directory (its "
+                                   ".metadata, __<rank>_0.distcp files and trainloop.pt)"));
+    }
     if (!std::filesystem::is_regular_file(path_)) {
       throw CheckpointError(concat("trainloop: checkpoint ", path_.string(),
                                    " does not exist; expected a file written by trainloop (or \"last\")"));

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <string>
 
 namespace trainloop::detail {
 
@@ -37,9 +38,13 @@ inline void write_checkpoint_agreed(const std::filesystem::path& path, bool writ
 
 /// Loads the first readable checkpoint of `resume` with `load`; false when there was none to
 /// load. An unreadable candidate is skipped with a warning when the spec allows falling back.
+/// `any_rank` (the mode's agreement collective; none: this process alone) makes every rank move on
+/// together: a candidate one rank cannot read (its part of a per-rank checkpoint) is skipped by all,
+/// so no two ranks resume from different checkpoints.
 /// @throws trainloop::CheckpointError when none is readable (or the one asked for is not).
 inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
-                                  const std::function<void(const std::filesystem::path&)>& load) {
+                                  const std::function<void(const std::filesystem::path&)>& load,
+                                  const std::function<bool(bool)>& any_rank = {}) {
   if (resume.candidates.empty()) {
     if (resume.required && !resume.description.empty()) {
       throw CheckpointError(concat("trainloop: no checkpoint to resume from at ", resume.description));
@@ -48,17 +53,30 @@ inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
     return false;
   }
   for (size_t i = 0; i < resume.candidates.size(); ++i) {
+    std::exception_ptr failure;
+    std::string reason;
     try {
       load(resume.candidates[i]);
+    } catch (const CheckpointError& error) {
+      failure = std::current_exception();
+      reason = error.what();
+    }
+    if (!(any_rank ? any_rank(failure != nullptr) : failure != nullptr)) {
       if (is_main && resume.announce) std::cerr << "trainloop: resumed from " << resume.candidates[i].string() << '\n';
       return true;
-    } catch (const CheckpointError& error) {
-      const bool last_candidate = i + 1 == resume.candidates.size();
-      if (!resume.fall_back || last_candidate) throw;
-      if (is_main) {
-        std::cerr << error.what() << "\ntrainloop: falling back to the previous checkpoint, "
-                  << resume.candidates[i + 1].string() << '\n';
-      }
+    }
+    if (reason.empty()) {
+      reason = concat("trainloop: another rank could not read the checkpoint ", resume.candidates[i].string(),
+                      " (its error names the cause)");
+    }
+    const bool last_candidate = i + 1 == resume.candidates.size();
+    if (!resume.fall_back || last_candidate) {
+      if (failure) std::rethrow_exception(failure);
+      throw CheckpointError(reason);
+    }
+    if (is_main) {
+      std::cerr << reason << "\ntrainloop: falling back to the previous checkpoint, " << resume.candidates[i + 1].string()
+                << '\n';
     }
   }
   return false;

@@ -8,15 +8,21 @@
 /// new one; the temporary directory of a writer that died is removed by the next writer in that
 /// directory (remove_dead_temporaries).
 ///
-/// A target that already exists (the same checkpoint name written again) is first renamed away
-/// under a temporary name and removed after the new one is in place: a kill between the two
-/// renames leaves the target missing but the previous one whole under the temporary name, which
-/// a reader lists nowhere (and the next writer removes once the owner is dead), the one moment
-/// the previous content of that one name is not visible.
+/// A target that already exists (the same checkpoint name written again) is swapped with the new
+/// directory in one step (renameat2's RENAME_EXCHANGE), then removed from its temporary name: the
+/// name always holds a whole checkpoint. Where the file system cannot exchange, the previous target
+/// is renamed away first; a kill between the two renames leaves the name missing, and the next
+/// writer's cleaning puts the previous one back (remove_dead_temporaries keeps a dead writer's
+/// `.old` whose target is missing) rather than removing it.
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <filesystem>
 #include <string>
 #include <system_error>
@@ -27,6 +33,7 @@ namespace trainloop::detail {
 /// from an earlier failed write of this process, is removed first).
 /// @throws trainloop::CheckpointError naming the path and the system's reason.
 inline std::filesystem::path make_temporary_directory_for(const std::filesystem::path& target) {
+  remove_dead_temporaries_once(target.parent_path());  // what writers killed before left here
   const std::filesystem::path temporary = temporary_path_for(target, "d");
   std::error_code error;
   std::filesystem::remove_all(temporary, error);
@@ -47,6 +54,14 @@ inline void commit_directory(const std::filesystem::path& temporary, const std::
   std::error_code error, absent;  // symlink_status sets `absent` for a target not there yet: no error
   std::filesystem::path previous;
   if (std::filesystem::exists(std::filesystem::symlink_status(target, absent))) {
+#if defined(RENAME_EXCHANGE)
+    // One step: the name never misses a checkpoint. The previous one is then at `temporary`.
+    if (::renameat2(AT_FDCWD, temporary.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+      sync_directory(target.parent_path());
+      std::filesystem::remove_all(temporary, error);
+      return;
+    }
+#endif
     previous = temporary_path_for(target, "old");
     std::filesystem::remove_all(previous, error);
     std::filesystem::rename(target, previous, error);
@@ -63,13 +78,40 @@ inline void commit_directory(const std::filesystem::path& temporary, const std::
   if (!previous.empty()) std::filesystem::remove_all(previous, error);
 }
 
+/// Puts the file `file` (written and fsynced inside the temporary directory `temporary`) in the
+/// place of `target`, a per-rank checkpoint's directory of the same name: the directory is moved
+/// aside, the file renamed into place, the directory removed (a kill between the two renames:
+/// remove_dead_temporaries puts the directory back).
+/// @throws trainloop::CheckpointError naming the target; the previous one is then unchanged.
+inline void replace_with_file(const std::filesystem::path& temporary, const std::filesystem::path& file,
+                              const std::filesystem::path& target) {
+  std::error_code error;
+  const std::filesystem::path previous = temporary_path_for(target, "old");
+  std::filesystem::remove_all(previous, error);
+  std::filesystem::rename(target, previous, error);
+  if (!error) std::filesystem::rename(file, target, error);
+  std::error_code ignored;
+  if (error) {
+    if (!std::filesystem::exists(target, ignored)) std::filesystem::rename(previous, target, ignored);
+    std::filesystem::remove_all(temporary, ignored);
+    throw CheckpointError(concat("trainloop: cannot write the checkpoint ", target.string(), ": ", error.message(),
+                                 "; expected a writable directory (the previous checkpoint is unchanged)"));
+  }
+  sync_directory(target.parent_path());
+  std::filesystem::remove_all(previous, ignored);
+  std::filesystem::remove_all(temporary, ignored);
+}
+
 /// `to` as a hard link to the file `from`, or a copy where the file system has none.
 inline void link_or_copy(const std::filesystem::path& from, const std::filesystem::path& to, std::error_code& error) {
   std::filesystem::create_hard_link(from, to, error);
-  if (error) {
-    error.clear();
-    std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing, error);
-  }
+  if (!error) return;
+  error.clear();
+  std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing, error);
+  if (error) return;
+  const int fd = ::open(to.c_str(), O_RDONLY | O_CLOEXEC);  // a copy is durable before it is renamed into place
+  if (fd < 0 || ::fsync(fd) != 0) error = std::error_code(errno, std::generic_category());
+  if (fd >= 0) ::close(fd);
 }
 
 /// Makes `link` a second name of `target`, atomically (a hard link under a temporary name, renamed).

@@ -77,6 +77,15 @@ inline int remove_dead_temporaries(const std::filesystem::path& dir) noexcept {
       const std::string owner = temporary_owner_tag(name);
       std::error_code ignored;
       if (owner.empty() || !owner_tag_is_dead(owner)) continue;
+      // A previous checkpoint moved aside for a new one of its name by a writer killed before the
+      // new one took the name (detail/atomic_directory.hpp): put back, not removed.
+      const auto marker = name.rfind(kTemporaryMarker);
+      const std::filesystem::path target = it->path().parent_path() / name.substr(0, marker);
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
+          !std::filesystem::exists(std::filesystem::symlink_status(target, ignored))) {
+        std::filesystem::rename(it->path(), target, ignored);
+        continue;
+      }
       // A directory: a per-rank checkpoint its ranks were filling (detail/atomic_directory.hpp).
       if (std::filesystem::remove_all(it->path(), ignored) > 0) ++removed;
     }

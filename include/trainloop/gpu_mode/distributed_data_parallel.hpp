@@ -154,6 +154,7 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   /// Loads a whole state (any mode's checkpoint): under ZeRO this rank keeps its share, and this
   /// fit's comm hook gets its rank's state back (distributed/ddp/checkpoint_state.hpp).
   void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+    drop_unused_loaded_layout(optimizer);
     distributed::load_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive,
                                           this->device_);
   }
@@ -164,15 +165,18 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   bool writes_sharded_checkpoint() const { return zero_.has_value() && this->world_size() > 1; }
   /// This rank's pieces of the parameters and their optimizer state (views, no copy).
   std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
+    zero_->layout().check_same_parameters(optimizer);  // (inside the write: a failure is agreed)
     return distributed::zero_checkpoint_shares(*zero_, module, optimizer, /*values_from_pieces=*/false);
   }
   /// Resuming from a per-rank checkpoint under ZeRO: reads only this rank's pieces of the state.
   bool load_optimizer_shares(torch::optim::Optimizer& optimizer, ShareSource& source) {
     if (!mode_.zero() || !this->env_ || this->world_size() == 1) return false;
     distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    drop_unused_loaded_layout(optimizer);
     if (!zero_) {
       zero_.emplace(std::make_shared<const distributed::FlatLayout>(optimizer, static_cast<int>(this->world_size())),
                     static_cast<int>(this->rank()));
+      layout_from_load_ = true;
     }
     zero_->layout().check_same_parameters(optimizer);
     distributed::load_zero_optimizer_shares(*zero_, *module_, optimizer, source);
@@ -183,8 +187,16 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   /// ZeRO-1: the layout of the optimizer state over the ranks, made once (the same in every fit:
   /// the optimizer keys this rank's state by its pieces), and this rank's share of a whole state
   /// loaded before.
+  /// A layout a per-rank checkpoint's load made for other parameters, which no fit used yet
+  /// (a spawned rank replaying an earlier fit): dropped, so the next load or fit lays out anew.
+  void drop_unused_loaded_layout(const torch::optim::Optimizer& optimizer) {
+    if (!zero_ || !layout_from_load_ || zero_->layout().same_parameters(optimizer)) return;
+    zero_.reset();
+    layout_from_load_ = false;
+  }
   void begin_zero_fit(torch::optim::Optimizer& optimizer) {
     distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    drop_unused_loaded_layout(optimizer);
     // Joined ranks (torchrun...) keep only their share after a ZeRO fit: new owners would lose it.
     TRAINLOOP_CHECK(!zero_ || zero_->layout().same_parameters(optimizer), "the optimizer's parameters changed since "
                     "the last ZeRO fit, and each rank holds only the state of its share of the old ones; expected the "
@@ -194,6 +206,7 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
     if (!zero_) {  // made here, or by a per-rank checkpoint loaded before this fit
       zero_.emplace(std::make_shared<const distributed::FlatLayout>(optimizer, group_->world_size()), group_->rank());
     }
+    layout_from_load_ = false;
     zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces
   }
 
@@ -238,6 +251,7 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   std::vector<torch::Tensor> parameters_;  // listed once per fit; the reducer takes those requiring grad
   std::vector<char> reduced_flags_;        // which of parameters_ the reducer reduces
   std::optional<distributed::ZeroOptimizerShard> zero_;  // ZeRO-1: this rank's share of the optimizer state
+  bool layout_from_load_ = false;                        // zero_ made by a checkpoint's load, no fit used it yet
 };
 
 }  // namespace detail

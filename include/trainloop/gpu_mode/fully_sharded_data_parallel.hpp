@@ -5,27 +5,21 @@
 /// and of the reduced gradients (sharding gradients: ZeRO-2, FSDP's SHARD_GRAD_OP) and also of
 /// the parameters between their uses (sharding full, the default: ZeRO-3, FSDP's FULL_SHARD).
 ///
-/// The pieces, one owner each (this engine), none driving another:
-/// - distributed/zero/flat_layout.hpp: the parameters laid out by unit (a submodule, FSDP's
-///   wrapped module), each unit cut in W chunks — made once per loop;
-/// - distributed/zero/unit_gradients.hpp: each unit's gradients reduce-scattered into this rank's
-///   chunk as backward completes it — per fit;
-/// - distributed/zero/unit_parameters.hpp (full): the units' memory freed between uses and
-///   gathered before the operators that read them — per fit;
-/// - distributed/zero/zero_optimizer_shard.hpp: this rank's pieces and their optimizer state.
+/// The pieces, one owner each (this engine), none driving another: distributed/zero/
+/// flat_layout.hpp (the parameters laid out by unit, a submodule, each cut in W chunks: once per
+/// loop), unit_gradients.hpp (each unit's gradients reduce-scattered into this rank's chunk as
+/// backward completes it: per fit), unit_parameters.hpp (full: units freed between uses, gathered
+/// before the operators that read them: per fit), zero_optimizer_shard.hpp (this rank's pieces
+/// and their optimizer state).
 ///
-/// The optimizer step is the loop's default (engine/optimizer_step.hpp), fed through its seams:
-/// the stepped tensors are this rank's pieces with their reduced chunks as gradients (fp16
-/// unscales those and every rank agrees on a skip), clipping takes the norm over every rank's
-/// chunks, and the step is the pieces' (at gradients, broadcast into every rank's parameters
-/// after). Checkpoints hold the whole state and parameters (gathered on save), so they resume in
-/// any mode, level and world size.
-///
-/// Evaluation and prediction inside a fit (validation) run unit by unit at full, as a training
-/// micro-batch without backward (eval_batch); every rank runs as many evaluation batches as the
-/// one with the most (evaluates_in_lockstep, loop/evaluation.hpp). Nothing gathers the whole model
-/// during a fit but a checkpoint and a callback that asks (TrainState::gather_whole_weights); at
-/// its end the ranks gather it once so the caller holds the trained model, unless
+/// The optimizer step is the loop's default (engine/optimizer_step.hpp) through its seams: this
+/// rank's pieces with their reduced chunks as gradients (fp16 unscales those, every rank agrees on
+/// a skip), clipping by the norm over every rank's chunks, the pieces' step (at gradients then
+/// broadcast into every rank's parameters). Checkpoints are per rank once the layout exists
+/// (distributed/zero/shard_checkpoint.hpp): nothing gathered; they resume in any mode, level and
+/// world size. Evaluation inside a fit runs unit by unit at full, every rank as many batches as
+/// the one with the most (evaluates_in_lockstep, loop/evaluation.hpp); nothing gathers the whole
+/// model but a callback that asks (TrainState::gather_whole_weights) and the fit's end, unless
 /// whole_model_after_fit(false).
 
 #include <trainloop/distributed/ddp/checkpoint_state.hpp>
@@ -127,6 +121,7 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
     this->join_fit();
     const distributed::Sharding level = mode_.sharding();
     distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    drop_unused_loaded_layout(optimizer);
     // Joined ranks (torchrun...) keep only their share after a sharded fit: new owners would lose it.
     TRAINLOOP_CHECK(!zero_ || zero_->layout().same_parameters(optimizer), "the optimizer's parameters changed since "
                     "the last sharded fit, and each rank holds only the state of its share of the old ones; expected "
@@ -137,6 +132,7 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
     sharded_model_.check(*module_, level);
     distributed::check_trainable_parameters_in(*module_, optimizer, level);
     make_layout(optimizer, units);
+    layout_from_load_ = false;  // a fit uses it now: its pieces hold this rank's state from here on
     zero_->keep_own_share(optimizer);  // before the units exist: end_fit puts nothing back if this throws
     gradients_.emplace(layout_, *group_);
     if (level == distributed::Sharding::Full) parameters_.emplace(layout_, *group_, own_chunks_);
@@ -288,17 +284,18 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   }
   /// Loads a whole state (any mode's checkpoint), of which this rank keeps its share.
   void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+    drop_unused_loaded_layout(optimizer);
     distributed::load_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, nullptr, optimizer, archive, this->device_);
   }
 
   // ---- per-rank checkpoints (engine/checkpoint_shares.hpp) ----
-  /// Every rank writes its own share once the parameters are laid out (the first fit, or a
-  /// per-rank checkpoint loaded): nothing is gathered. Before that the state is whole everywhere,
-  /// and rank 0 writes one libtorch archive as in the replicated modes.
+  /// Every rank writes its own share once the parameters are laid out (a fit, or a per-rank
+  /// checkpoint loaded); before, the state is whole everywhere and rank 0 writes one archive.
   bool writes_sharded_checkpoint() const { return zero_.has_value() && this->world_size() > 1; }
   /// This rank's pieces of the parameters and of the optimizer state (views, no copy).
   std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
-    if (parameters_) parameters_->reshard();  // units a callback gathered whole: their values into the chunks
+    zero_->layout().check_same_parameters(optimizer);  // (inside the write: a failure is agreed)
+    if (parameters_) parameters_->sync_own_chunks();  // units a callback holds whole: their values into the chunks
     return distributed::zero_checkpoint_shares(*zero_, module, optimizer, /*values_from_pieces=*/parameters_.has_value());
   }
   /// Resuming from a per-rank checkpoint in a rank: lays the parameters out as the fit will, and
@@ -306,6 +303,8 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   bool load_optimizer_shares(torch::optim::Optimizer& optimizer, ShareSource& source) {
     if (!this->env_ || this->world_size() == 1) return false;  // the launching process, one rank: whole states
     distributed::ZeroOptimizerShard::check_optimizer(optimizer);
+    drop_unused_loaded_layout(optimizer);
+    if (!zero_) layout_from_load_ = true;
     make_layout(optimizer, distributed::assign_units(*module_, mode_.sharding_units()));
     zero_->layout().check_same_parameters(optimizer);
     distributed::load_zero_optimizer_shares(*zero_, *module_, optimizer, source);
@@ -316,6 +315,15 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   /// The layout and this rank's pieces (at full, views of its own chunks), made once: in the
   /// first fit, or when a per-rank checkpoint is loaded before it. The same in every later fit:
   /// the optimizer keys this rank's state by its pieces.
+  /// A layout a per-rank checkpoint's load made for other parameters than `optimizer`'s, no fit
+  /// used yet (a spawned rank replaying an earlier fit): dropped, the next load or fit lays out anew.
+  void drop_unused_loaded_layout(const torch::optim::Optimizer& optimizer) {
+    if (!zero_ || !layout_from_load_ || zero_->layout().same_parameters(optimizer)) return;
+    zero_.reset();
+    layout_.reset();
+    own_chunks_.clear();
+    layout_from_load_ = false;
+  }
   void make_layout(torch::optim::Optimizer& optimizer, const distributed::UnitAssignment& units) {
     if (zero_) return;
     layout_ = std::make_shared<const distributed::FlatLayout>(optimizer, static_cast<int>(this->world_size()), units.unit_of);
@@ -335,6 +343,7 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   std::optional<distributed::UnitGradients> gradients_;     // this fit's gradient reduction
   std::optional<distributed::UnitParameters> parameters_;   // this fit's sharded parameters (full)
   distributed::ShardedModelRecord sharded_model_;           // the parameters laid out, checked in later fits
+  bool layout_from_load_ = false;                           // made by a checkpoint's load, no fit used it yet
 };
 
 }  // namespace detail

@@ -18,6 +18,7 @@
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
+#include <trainloop/detail/atomic_directory.hpp>
 #include <trainloop/engine/checkpoint_shares.hpp>
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
@@ -82,7 +83,11 @@ class CheckpointIO {
     header.mode = identity_.mode;
     header.world_size = engine.world_size();
     header.batch_size = options_.batch_size();
-    if (writes_sharded_checkpoint(engine)) {  // every rank its share, nothing gathered (a collective)
+    // Every rank its share, nothing gathered (a collective) — unless writers on other ranks than 0
+    // each want a copy of their own (the spawned ranks' handoff on several machines, each machine's
+    // local rank 0 writing into its launcher's directory): that copy is written gathered.
+    const bool other_writers = engine.world_size() > 1 && engine.any_rank(writes && engine.rank() != 0);
+    if (writes_sharded_checkpoint(engine) && !other_writers) {
       save_sharded_checkpoint(engine, module_, optimizer_, path, [&](const std::filesystem::path& state_file) {
         torch::serialize::OutputArchive groups;
         save_optimizer_groups(optimizer_, groups);
@@ -99,6 +104,14 @@ class CheckpointIO {
                             [&] {
                               // Written contiguous: any program loads the weights with torch::load.
                               nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
+                              // The same name written as a per-rank checkpoint before (a run resumed
+                              // in another mode): the file takes the directory's place whole.
+                              if (is_sharded_checkpoint(path)) {
+                                const std::filesystem::path temporary = make_temporary_directory_for(path);
+                                write_checkpoint(temporary / "checkpoint", module_, optimizer_state, snapshot, callbacks, rng, header);
+                                replace_with_file(temporary, temporary / "checkpoint", path);
+                                return;
+                              }
                               write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header);
                             });
   }

@@ -306,9 +306,10 @@ class FitRunner {
   /// @throws trainloop::CheckpointError when none is readable (or the one asked for is not).
   template <ModeEngine Engine>
   bool resume_checkpoint(Engine& engine, const ResumeSpec& resume, const KeyedStates& keyed) {
-    return resume_first_readable(resume, engine.is_main(), [&](const std::filesystem::path& path) {
-      load_checkpoint(engine, path, keyed, /*restore_rng=*/true);
-    });
+    return resume_first_readable(
+        resume, engine.is_main(),
+        [&](const std::filesystem::path& path) { load_checkpoint(engine, path, keyed, /*restore_rng=*/true); },
+        [&engine](bool flag) { return engine.any_rank(flag); });
   }
 
   /// The plan of a whole epoch (its micro-batches, on every process).

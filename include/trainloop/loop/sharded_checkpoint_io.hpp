@@ -48,6 +48,24 @@ inline std::string row_text(const torch::Tensor& row) {
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
 }
 
+/// The current exception as a trainloop::Error: a CheckpointError naming `path` with the cause
+/// nested, for what is not one already (an allocation, libtorch, the file system), so every
+/// rank's failure is one ModelCheckpoint handles (stop_on_error off: every rank goes on).
+inline std::exception_ptr checkpoint_failure(const std::filesystem::path& path) {
+  try {
+    throw;
+  } catch (const Error&) {
+    return std::current_exception();
+  } catch (const std::exception& error) {
+    try {
+      std::throw_with_nested(CheckpointError(concat("trainloop: cannot write the checkpoint ", path.string(), ": ",
+                                                    error.what(), "; the previous checkpoints are unchanged")));
+    } catch (...) {
+      return std::current_exception();
+    }
+  }
+}
+
 /// Throws on every rank when any rank failed (`failure` its own error, rethrown as itself there).
 template <ModeEngine Engine>
 void agree_or_throw(Engine& engine, const std::exception_ptr& failure, const std::filesystem::path& path) {
@@ -63,29 +81,30 @@ void agree_or_throw(Engine& engine, const std::exception_ptr& failure, const std
 /// @throws trainloop::CheckpointError on every rank when any rank could not write.
 template <ModeEngine Engine, class Module>
 void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optimizer& optimizer,
-                             const std::filesystem::path& path,
+                             const std::filesystem::path& target,
                              const std::function<void(const std::filesystem::path&)>& write_loop_state) {
   const bool main = engine.rank() == 0;
   std::exception_ptr failure;
+  const std::filesystem::path path = target.has_filename() ? target : target.parent_path();  // "runs/x.ckpt/"
   // 1. The temporary directory, named by rank 0.
   std::string temporary;
   if (main) {
     try {
       temporary = make_temporary_directory_for(path).string();
     } catch (...) {
-      failure = std::current_exception();
+      failure = checkpoint_failure(path);
     }
   }
-  temporary = row_text(gather_rows(engine, text_row(temporary)).front());
-  agree_or_throw(engine, failure, path);
   struct RemoveUnlessCommitted {  // on rank 0, whatever fails after this
     std::filesystem::path directory;
     bool armed;
     ~RemoveUnlessCommitted() {
       std::error_code ignored;
-      if (armed) std::filesystem::remove_all(directory, ignored);
+      if (armed && !directory.empty()) std::filesystem::remove_all(directory, ignored);
     }
   } cleanup{temporary, main};
+  temporary = row_text(gather_rows(engine, text_row(temporary)).front());
+  agree_or_throw(engine, failure, path);
   // 2. Every rank's file: its shares; on rank 0 also what no rank shards, whole.
   std::string part;
   try {
@@ -107,12 +126,12 @@ void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optim
     part = serialization::dcp::metadata_pickle(
         write_rank_file(temporary, static_cast<int>(engine.rank()), shares, whole));
   } catch (...) {
-    failure = std::current_exception();
+    failure = checkpoint_failure(path);
   }
   const std::vector<torch::Tensor> parts = gather_rows(engine, text_row(part));
   agree_or_throw(engine, failure, path);
   // 3. Rank 0: the loop's state, the metadata, the commit; every rank learns whether it worked.
-  write_checkpoint_agreed(path, main, [&engine](bool flag) { return engine.any_rank(flag); }, [&] {
+  auto commit = [&] {
     std::vector<serialization::dcp::Metadata> metadata;
     for (size_t r = 0; r < parts.size(); ++r) {
       metadata.push_back(serialization::dcp::parse_metadata(row_text(parts[r]),
@@ -124,6 +143,13 @@ void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optim
     serialization::dcp::write_metadata(temporary, merged);
     commit_directory(temporary, path);
     cleanup.armed = false;
+  };
+  write_checkpoint_agreed(path, main, [&engine](bool flag) { return engine.any_rank(flag); }, [&] {
+    try {
+      commit();
+    } catch (...) {
+      std::rethrow_exception(checkpoint_failure(path));
+    }
   });
 }
 

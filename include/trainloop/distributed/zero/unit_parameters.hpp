@@ -144,6 +144,13 @@ class UnitParameters final : public UnitUser {
     refresh_own_chunks();
     free_all();
   }
+  /// This rank's chunks made current from the whole units when they are whole (what a callback
+  /// changed in them kept), leaving them whole: a per-rank checkpoint written inside a callback's
+  /// whole-weights scope reads the chunks while the callback still reads the units.
+  void sync_own_chunks() {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (whole_) refresh_own_chunks();
+  }
   /// Copies of this rank's chunk of every unit (current also while the units are whole), in unit order.
   std::vector<torch::Tensor> own_chunk_copies() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
