@@ -50,7 +50,38 @@ macro(trainloop_prepare_torch_search)
   endif()
 endmacro()
 
-# After find_package(Torch): a libtorch trainloop supports (1.13 or newer), whose libraries are
+# The libtorch releases trainloop is built and tested against: the newest (what `pip install
+# torch` gives, primary) back to the oldest that CI still runs (docs/status.md says what ran on
+# each). Older ones lack what trainloop uses (torch.export's schema 8.x, DCP's layout, Gloo's
+# reduce-scatter); a newer one is refused until it has been tried, since libtorch's C++ API
+# changes between minor releases (2.15 made autograd nodes intrusive pointers), unless
+# TRAINLOOP_ALLOW_UNTESTED_TORCH says to try it anyway.
+set(TRAINLOOP_TORCH_OLDEST 2.11)
+set(TRAINLOOP_TORCH_NEWEST 2.15)
+option(TRAINLOOP_ALLOW_UNTESTED_TORCH "Configure against a libtorch newer than the newest trainloop was tested with" OFF)
+
+# FATAL_ERROR naming `version` and the supported range when it is outside it.
+function(trainloop_check_torch_version version)
+  if(NOT version)
+    message(FATAL_ERROR "trainloop: the libtorch found (${Torch_DIR}) does not say its version (no Torch_VERSION, no "
+            "torch/version.h); expected libtorch ${TRAINLOOP_TORCH_OLDEST} to ${TRAINLOOP_TORCH_NEWEST}")
+  endif()
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" major_minor "${version}")
+  set(install_hint "Install a supported one, e.g. `python3 -m venv venv && venv/bin/pip install torch==2.15.0`, "
+      "and pass -DCMAKE_PREFIX_PATH=$(venv/bin/python -c 'import torch;print(torch.utils.cmake_prefix_path)') "
+      "(trainloop's scripts/install-deps.sh does this), or unpack the libtorch ${TRAINLOOP_TORCH_NEWEST} download")
+  if(major_minor VERSION_LESS TRAINLOOP_TORCH_OLDEST)
+    message(FATAL_ERROR "trainloop: libtorch ${version} was found (${Torch_DIR}); expected libtorch "
+            "${TRAINLOOP_TORCH_OLDEST} to ${TRAINLOOP_TORCH_NEWEST}. ${install_hint}.")
+  endif()
+  if(major_minor VERSION_GREATER TRAINLOOP_TORCH_NEWEST AND NOT TRAINLOOP_ALLOW_UNTESTED_TORCH)
+    message(FATAL_ERROR "trainloop: libtorch ${version} was found (${Torch_DIR}); expected libtorch "
+            "${TRAINLOOP_TORCH_OLDEST} to ${TRAINLOOP_TORCH_NEWEST}, the releases this trainloop was tested with. "
+            "${install_hint}; or try this one with -DTRAINLOOP_ALLOW_UNTESTED_TORCH=ON.")
+  endif()
+endfunction()
+
+# After find_package(Torch): a libtorch trainloop supports (trainloop_check_torch_version), whose libraries are
 # its own (see trainloop_prepare_torch_search), else a configure error naming what was found.
 function(trainloop_check_torch)
   set(version "${Torch_VERSION}")
@@ -66,11 +97,7 @@ function(trainloop_check_torch)
       set(version "${major}.${CMAKE_MATCH_1}")
     endif()
   endif()
-  if(version AND version VERSION_LESS 1.13)
-    message(FATAL_ERROR "trainloop: libtorch ${version} was found (${Torch_DIR}); expected libtorch 1.13 or newer "
-            "(pip torch 2.x: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)'), "
-            "or Debian's libtorch-dev)")
-  endif()
+  trainloop_check_torch_version("${version}")
   if(TORCH_INSTALL_PREFIX AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cpu.so")
     get_filename_component(own_dir "${TORCH_INSTALL_PREFIX}/lib" REALPATH)
     foreach(library_variable TORCH_LIBRARY C10_LIBRARY TORCH_CPU_LIBRARY C10_CUDA_LIBRARY)
@@ -110,6 +137,36 @@ function(trainloop_torch_has_cuda out_var)
   else()
     set(${out_var} FALSE PARENT_SCOPE)
   endif()
+endfunction()
+
+# The library folders of the `nvidia-*` wheels that a pip torch wheel was built with and loads
+# (site-packages/nvidia/<name>/lib: nccl, cu13, cudnn, cusparselt, nvshmem), in `out_var`; empty
+# for a libtorch that is not a wheel. libtorch_cuda.so finds them at run time through its own
+# RPATH ($ORIGIN/../../nvidia/...), but the linker checks its undefined symbols against the
+# first libnccl.so.2 it meets: with a CUDA toolkit on the machine that is the toolkit's, on the
+# -rpath CMake adds for CUDA::cudart. torch 2.15's libtorch_cuda.so needs ncclCommGrow,
+# ncclCommSuspend, ncclWaitSignal ..., which the CUDA 13.0 toolkit's NCCL lacks, and the link
+# failed. A program's own RUNPATH decides the libraries it needs itself (libcudart.so.13, linked
+# from the toolkit's CUDA::cudart): the wheel's folders first there too, so one process never mixes
+# the toolkit's runtime with the wheel's. `-rpath-link` serves the link, `-rpath` the run.
+function(trainloop_wheel_library_dirs out_var)
+  set(dirs "")
+  if(TORCH_INSTALL_PREFIX AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cpu.so")
+    get_filename_component(site_packages "${TORCH_INSTALL_PREFIX}/.." ABSOLUTE)
+    file(GLOB candidates LIST_DIRECTORIES true "${site_packages}/nvidia/*/lib")
+    list(SORT candidates)
+    # NCCL first: the library whose version matters most (the toolkit's is older).
+    foreach(dir IN LISTS candidates)
+      if(IS_DIRECTORY "${dir}")
+        if(dir MATCHES "/nvidia/nccl/lib$")
+          list(PREPEND dirs "${dir}")
+        else()
+          list(APPEND dirs "${dir}")
+        endif()
+      endif()
+    endforeach()
+  endif()
+  set(${out_var} "${dirs}" PARENT_SCOPE)
 endfunction()
 
 # Gloo's headers: ProcessGroupGloo.hpp includes <gloo/...>. Debian's libgloo-dev installs them;
@@ -174,6 +231,14 @@ function(trainloop_link_dependencies target)
     list(APPEND definitions TRAINLOOP_WITH_CAIRO=1)
   endif()
 
+  # The wheel's own CUDA libraries (NCCL, cuDNN, cuBLAS, the CUDA runtime) before any other copy.
+  trainloop_wheel_library_dirs(wheel_dirs)
+  set(link_options "")
+  if(wheel_dirs)
+    list(JOIN wheel_dirs ":" joined)
+    list(APPEND link_options "LINKER:-rpath-link,${joined}" "LINKER:-rpath,${joined}")
+  endif()
+
   trainloop_find_gloo_headers(gloo_found)
   if(NOT gloo_found)
     message(FATAL_ERROR "${TRAINLOOP_GLOO_NOT_FOUND_MESSAGE}")
@@ -190,8 +255,12 @@ function(trainloop_link_dependencies target)
     list(TRANSFORM libraries REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
     list(TRANSFORM definitions REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
     list(TRANSFORM include_dirs REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
+    list(TRANSFORM link_options REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
   endif()
   target_link_libraries(${target} INTERFACE ${libraries})
+  if(link_options)
+    target_link_options(${target} INTERFACE ${link_options})
+  endif()
   target_compile_definitions(${target} INTERFACE ${definitions})
   target_include_directories(${target} SYSTEM INTERFACE ${include_dirs})
 endfunction()

@@ -37,6 +37,9 @@
 // ===================================================================================================
 
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <utility>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #if TRAINLOOP_TORCH_2
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -55,6 +58,12 @@ using CollectiveBackend = ::c10d::ProcessGroup;
 
 /// Handle of an asynchronous collective (same type in 1.13 and 2.x, named once here).
 using WorkHandle = c10::intrusive_ptr<::c10d::Work>;
+
+/// The owning pointer to an autograd node, as `torch::autograd::impl::grad_accumulator` returns
+/// it: `std::shared_ptr<Node>` up to 2.14, `c10::intrusive_ptr<Node>` from 2.15 on (checked
+/// against pip torch 2.11.0 and 2.15.0). Taken from the function's own return type, so a holder
+/// of accumulators (the DDP reducer, fsdp's unit gradients) names one type in every version.
+using AutogradNodePtr = decltype(::torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 /// Base class of a hook that runs after an autograd node (here: a parameter's gradient
 /// accumulator) has run. Subclasses override
