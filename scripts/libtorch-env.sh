@@ -1,50 +1,59 @@
-# Sourced by scripts/train-example.sh and scripts/test.sh: the libtorch a build uses.
+# Sourced by scripts/install-deps.sh, scripts/train-example.sh and scripts/test.sh: which libtorch
+# a build uses.
 #
-#   trainloop_libtorch pip      # pip torch 2.11 in $TRAINLOOP_VENV (scripts/install-deps.sh puts it there)
-#   trainloop_libtorch debian   # Debian's libtorch-dev 1.13
+#   trainloop_libtorch             # the primary libtorch: pip torch 2.15.0 in its venv
+#   trainloop_libtorch 2.11.0      # another supported release, in its own venv
+#
+# Every libtorch is the one inside a pip `torch` wheel, installed by scripts/install-deps.sh into
+# a virtual environment outside the checkout, one per release:
+# $TRAINLOOP_VENV_ROOT/torch-<version> (default ~/.cache/trainloop/torch-<version>), which every
+# clone reuses. TRAINLOOP_VENV names one venv directly (a torch you installed yourself).
 #
 # Sets: libtorch_cmake_args (CMAKE_PREFIX_PATH for CMake), libtorch_python (the Python torch of the
-# same libtorch: the reference of the tests that compare with Python, and torchrun's), and
-# libtorch_describe (for messages). Puts the venv's bin (torchrun) first on PATH for pip.
+# same libtorch: the reference of the tests that compare with Python, and torchrun's),
+# libtorch_version and libtorch_describe (for messages). Puts the venv's bin (torchrun) first on PATH.
 
-trainloop_venv=${TRAINLOOP_VENV:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/trainloop/torch-2.11.0}
+# The primary release (what `pip install torch` gives in November 2026) and the oldest one
+# trainloop supports; cmake/trainloopDependencies.cmake refuses anything outside them.
+trainloop_torch_primary=2.15.0
+trainloop_torch_oldest=2.11.0
+trainloop_venv_root=${TRAINLOOP_VENV_ROOT:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/trainloop}
 
-# The libtorch a command uses when none is named: pip torch 2.11, whose CMake config needs the
-# CUDA toolkit (its wheel is a CUDA build; this project's machines have CUDA 13 in /usr/local/cuda),
-# or, on a machine without nvcc, Debian's 1.13, said loudly.
-trainloop_default_libtorch() {
-  if command -v nvcc > /dev/null || [[ -x /usr/local/cuda/bin/nvcc ]] || [[ -n ${CUDA_HOME:-} && -x $CUDA_HOME/bin/nvcc ]]; then
-    echo pip
+# The venv of torch release $1.
+trainloop_venv_of() {
+  if [[ -n ${TRAINLOOP_VENV:-} ]]; then
+    echo "$TRAINLOOP_VENV"
   else
-    echo "trainloop: no CUDA toolkit (nvcc) here, which pip torch's CMake config needs; using Debian's libtorch 1.13 (install the CUDA toolkit for the 2.11 build)" >&2
-    echo debian
+    echo "$trainloop_venv_root/torch-$1"
   fi
 }
 
 trainloop_libtorch() {
-  case "$1" in
-    pip)
-      libtorch_python="$trainloop_venv/bin/python"
-      local prefix
-      if ! prefix=$("$libtorch_python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>&1); then
-        echo "trainloop: pip torch in $trainloop_venv does not say where its libtorch is (torch.utils.cmake_prefix_path): $prefix; expected pip torch >= 1.13 there (scripts/install-deps.sh --libtorch pip)" >&2
-        return 1
-      fi
-      # The torch package folder too: its CMake config then finds its own libraries before any
-      # other libtorch on the machine (cmake/trainloopDependencies.cmake says why).
-      libtorch_cmake_args=("-DCMAKE_PREFIX_PATH=$prefix;$(dirname "$(dirname "$prefix")")")
-      libtorch_describe="pip torch $("$libtorch_python" -c 'import torch; print(torch.__version__)') ($trainloop_venv)"
-      export PATH="$trainloop_venv/bin:$PATH"
-      ;;
-    debian)
-      libtorch_python=/usr/bin/python3
-      libtorch_cmake_args=()
-      libtorch_describe="Debian's libtorch 1.13 (libtorch-dev)"
-      ;;
-    *)
-      echo "trainloop: --libtorch is '$1'; expected pip (torch 2.11 from PyPI) or debian (libtorch-dev 1.13)" >&2
-      return 1
-      ;;
-  esac
+  local version=${1:-$trainloop_torch_primary}
+  local venv
+  venv=$(trainloop_venv_of "$version")
+  libtorch_python="$venv/bin/python"
+  local prefix
+  # Only stdout is the answer: Python's warnings (a venv without numpy prints a UserWarning on
+  # `import torch`) go to stderr, which must not end up in CMAKE_PREFIX_PATH.
+  if ! prefix=$("$libtorch_python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null) || [[ -z $prefix ]]; then
+    echo "trainloop: $venv has no pip torch that says where its libtorch is (torch.utils.cmake_prefix_path); expected pip torch $version there (scripts/install-deps.sh --torch $version)" >&2
+    return 1
+  fi
+  # The torch package folder too: its CMake config then finds its own libraries before any
+  # other libtorch on the machine (cmake/trainloopDependencies.cmake says why).
+  libtorch_cmake_args=("-DCMAKE_PREFIX_PATH=$prefix;$(dirname "$(dirname "$prefix")")")
+  libtorch_version=$("$libtorch_python" -c 'import torch; print(torch.__version__)' 2>/dev/null)
+  libtorch_describe="pip torch $libtorch_version ($venv)"
+  export PATH="$venv/bin:$PATH"
   export TRAINLOOP_PYTHON="$libtorch_python"
+}
+
+# The build folder of torch release $1: build/ for the primary one, build-torch-<version>/ for others.
+trainloop_build_dir_of() {
+  if [[ $1 == "$trainloop_torch_primary" ]]; then
+    echo "${BUILD_DIR:-$repo/build}"
+  else
+    echo "$repo/build-torch-$1"
+  fi
 }

@@ -272,7 +272,7 @@ class GradientReducer {
  private:
   void attach_hooks() {
     for (std::size_t i = 0; i < state_->parameters.size(); ++i) {
-      detail::AutogradNodePtr accumulator = torch::autograd::impl::grad_accumulator(state_->parameters[i]);
+      trainloop::detail::AutogradNodePtr accumulator = torch::autograd::impl::grad_accumulator(state_->parameters[i]);
       TRAINLOOP_CHECK(accumulator, "parameter #", i, " has no gradient accumulator; expected a leaf that requires grad");
       hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<detail::GradientReadyHook>(state_, i)));
       accumulators_.push_back(std::move(accumulator));
@@ -318,7 +318,7 @@ class GradientReducer {
   }
 
   std::shared_ptr<detail::ReducerState> state_;
-  std::vector<detail::AutogradNodePtr> accumulators_;
+  std::vector<trainloop::detail::AutogradNodePtr> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
 };
 

@@ -173,7 +173,7 @@ class UnitGradients {
         parameters_.push_back(parameter);
         hooked_flags_.push_back(parameter.requires_grad() ? 1 : 0);
         if (!parameter.requires_grad()) continue;
-        detail::AutogradNodePtr accumulator = torch::autograd::impl::grad_accumulator(parameter);
+        trainloop::detail::AutogradNodePtr accumulator = torch::autograd::impl::grad_accumulator(parameter);
         hook_keys_.push_back(accumulator->add_post_hook(
             std::make_unique<detail::UnitGradientHook>(state_, state_->unit_of_hooked.size())));
         accumulators_.push_back(std::move(accumulator));
@@ -193,7 +193,7 @@ class UnitGradients {
   std::vector<torch::Tensor> chunks_;  // this rank's reduced chunk of each unit's gradient
   torch::Tensor staging_;              // the reduce-scatter's input, reused over a step's units
   std::shared_ptr<detail::UnitGradientState> state_;
-  std::vector<detail::AutogradNodePtr> accumulators_;  // kept alive: autograd holds them weakly
+  std::vector<trainloop::detail::AutogradNodePtr> accumulators_;  // kept alive: autograd holds them weakly
   std::vector<std::uintptr_t> hook_keys_;
   std::vector<torch::Tensor> parameters_;  // every unit's parameters, in layout order
   std::vector<char> hooked_flags_;         // which of them had a hook attached (required grad then)

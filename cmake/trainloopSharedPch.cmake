@@ -1,0 +1,79 @@
+# One precompiled header for every program of trainloop's own build: tests, their worker
+# programs, examples, benchmarks, the docs' snippets and the compile-fail tests.
+#
+# Why: with only <torch/torch.h> precompiled, a test's source still spent ~40 s of its compile
+# parsing <trainloop/trainloop.hpp> and the c10d, CUDA and JSON headers it includes (measured on
+# the 2-core AMD EPYC, torch 2.15, GCC 12: `#include <trainloop/trainloop.hpp>` alone, with
+# -fsyntax-only, 40.2 s; test_train_loop.cpp 47.5 s -fsyntax-only, 172 s at -O3). Over ~70
+# programs that parse was half of CI's build. Now it is parsed once, here.
+#
+# GCC uses a PCH only when the macros it was built with are defined alike where it is used and
+# the compile options match, so every user links what the PCH target links (trainloop::trainloop
+# and trainloop_warnings) and gets Boost.Test's definitions (nothing of Boost is in the PCH); a
+# mismatch is a -Winvalid-pch warning, which -Werror turns into an error rather than a silent
+# slow build.
+#
+# What the PCH holds is visible to every source, so a program's missing include of a public
+# header would go unnoticed here: the header check (tests/CMakeLists.txt, TRAINLOOP_HEADER_CHECK)
+# compiles each header on its own with only <torch/torch.h> precompiled, and the consumer tests
+# (cmake_import, cmake_subdirectory, cmake_fetchcontent) build without any PCH.
+option(TRAINLOOP_SHARED_PCH "Share one precompiled <torch/torch.h> + <trainloop/trainloop.hpp> between trainloop's own programs" ON)
+
+# Boost.Test: the compiled library when installed (Debian's libboost-test-dev), else its
+# header-only form (tests/unit_test.hpp switches), so the suite also builds on machines that
+# only carry Boost's headers (the GPU machines: scripts/gpu-check.sh).
+macro(trainloop_find_boost_test)
+  if(POLICY CMP0167)
+    cmake_policy(SET CMP0167 NEW)  # Boost's own BoostConfig.cmake, not CMake's FindBoost
+  endif()
+  find_package(Boost QUIET COMPONENTS unit_test_framework)
+  add_library(trainloop_boost_test INTERFACE)
+  if(TARGET Boost::unit_test_framework)
+    target_link_libraries(trainloop_boost_test INTERFACE Boost::unit_test_framework)
+    target_compile_definitions(trainloop_boost_test INTERFACE BOOST_TEST_DYN_LINK)
+  else()
+    find_path(TRAINLOOP_BOOST_TEST_INCLUDE_DIR boost/test/included/unit_test.hpp)
+    if(TRAINLOOP_BOOST_TEST_INCLUDE_DIR)
+      message(STATUS "trainloop tests: header-only Boost.Test from ${TRAINLOOP_BOOST_TEST_INCLUDE_DIR}")
+      target_include_directories(trainloop_boost_test SYSTEM INTERFACE ${TRAINLOOP_BOOST_TEST_INCLUDE_DIR})
+      target_compile_definitions(trainloop_boost_test INTERFACE TRAINLOOP_BOOST_TEST_HEADER_ONLY)
+    elseif(TRAINLOOP_BUILD_TESTS)
+      message(FATAL_ERROR "trainloop tests: Boost.Test was not found (Debian: libboost-test-dev); expected "
+              "Boost::unit_test_framework or boost/test/included/unit_test.hpp, or -DTRAINLOOP_BUILD_TESTS=OFF")
+    endif()
+  endif()
+endmacro()
+
+# Creates the PCH target `trainloop_shared_pch` (when TRAINLOOP_SHARED_PCH is on).
+function(trainloop_add_shared_pch)
+  if(NOT TRAINLOOP_SHARED_PCH)
+    return()
+  endif()
+  set(anchor ${PROJECT_BINARY_DIR}/trainloop_shared_pch.cpp)
+  if(NOT EXISTS ${anchor})
+    file(WRITE ${anchor} "// Only here so that trainloop_shared_pch has a source to build its PCH with.\n")
+  endif()
+  add_library(trainloop_shared_pch OBJECT ${anchor})
+  target_link_libraries(trainloop_shared_pch PRIVATE trainloop::trainloop trainloop_warnings)
+  target_compile_definitions(trainloop_shared_pch PRIVATE
+                             $<TARGET_PROPERTY:trainloop_boost_test,INTERFACE_COMPILE_DEFINITIONS>)
+  target_compile_options(trainloop_shared_pch PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Winvalid-pch>)
+  # The headers that most programs include (counted over tests/, examples/, benchmarks/ and the
+  # snippets): torch, trainloop's umbrella, interop and the zoo, and the standard headers they use.
+  target_precompile_headers(trainloop_shared_pch PRIVATE
+    <torch/torch.h> <trainloop/trainloop.hpp> <trainloop/interop.hpp> <trainloop/models.hpp>
+    <algorithm> <chrono> <cstdio> <cstdlib> <filesystem> <fstream> <iostream> <map> <sstream> <string>
+    <thread> <vector>)
+endfunction()
+
+# Makes `target` (a program of trainloop's own build that links trainloop::trainloop) reuse the
+# shared PCH.
+function(trainloop_use_shared_pch target)
+  if(NOT TARGET trainloop_shared_pch)
+    return()
+  endif()
+  target_link_libraries(${target} PRIVATE trainloop_warnings)
+  target_compile_definitions(${target} PRIVATE $<TARGET_PROPERTY:trainloop_boost_test,INTERFACE_COMPILE_DEFINITIONS>)
+  target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Winvalid-pch>)
+  target_precompile_headers(${target} REUSE_FROM trainloop_shared_pch)
+endfunction()
