@@ -19,7 +19,7 @@ batch="${4:-32}"
 steps="${5:-10}"
 mode="${6:-single}"
 models="${7:-resnet18 efficientnet_b0 convnext_atto vit_tiny_patch16_224}"
-python="${TRAINLOOP_PYTHON:-${XDG_CACHE_HOME:-$HOME/.cache}/trainloop/torch-2.11.0/bin/python}"
+python="${TRAINLOOP_PYTHON:-${XDG_CACHE_HOME:-$HOME/.cache}/trainloop/torch-2.15.0/bin/python}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 summary=()

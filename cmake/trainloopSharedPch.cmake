@@ -42,6 +42,12 @@ macro(trainloop_find_boost_test)
               "Boost::unit_test_framework or boost/test/included/unit_test.hpp, or -DTRAINLOOP_BUILD_TESTS=OFF")
     endif()
   endif()
+  # The Python of the venv this libtorch came from (pip torch: <venv>/lib/pythonX.Y/site-packages/
+  # torch): the tests' reference (tests/python_reference.hpp), which must be the same release.
+  get_filename_component(_trainloop_venv "${TORCH_INSTALL_PREFIX}/../../../.." ABSOLUTE)
+  if(TORCH_INSTALL_PREFIX AND EXISTS "${_trainloop_venv}/bin/python")
+    target_compile_definitions(trainloop_boost_test INTERFACE TRAINLOOP_TORCH_PYTHON="${_trainloop_venv}/bin/python")
+  endif()
 endmacro()
 
 # Creates the PCH target `trainloop_shared_pch` (when TRAINLOOP_SHARED_PCH is on).

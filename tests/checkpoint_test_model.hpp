@@ -48,7 +48,7 @@ inline torch::Tensor optimizer_state(torch::optim::Adam& optimizer) {
   std::vector<torch::Tensor> parts;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
-      // The state's key: the parameter's TensorImpl address, printed (1.13) or itself (2.11).
+      // The state's key: the parameter's TensorImpl address.
       auto found = optimizer.state().find(trainloop::detail::optimizer_state_key(optimizer.state(), p));
       BOOST_REQUIRE(found != optimizer.state().end());
       auto& state = static_cast<torch::optim::AdamParamState&>(*found->second);

@@ -1,10 +1,13 @@
 #pragma once
-// The reference for tests that compare with Python: Debian's python3-torch and
-// python3-torchvision (the same libtorch as ours). Cases that need it are skipped
-// (TRAINLOOP_TEST_SKIPPED, ctest: Skipped) where no python3 imports both;
-// scripts/install-deps.sh installs them.
+// The reference for tests that compare with Python: the Python torch of the same libtorch the
+// tests were built with (the venv scripts/install-deps.sh made, whose python3 CMake passes in as
+// TRAINLOOP_TORCH_PYTHON), with torchvision. Cases that need it are skipped
+// (TRAINLOOP_TEST_SKIPPED, ctest: Skipped) where no such python3 is found; a Python torch of
+// another release is never taken as the reference.
 
 #include "unit_test.hpp"
+
+#include <torch/version.h>
 
 #include <sys/wait.h>
 
@@ -16,15 +19,24 @@
 #include <string>
 #include <vector>
 
-/// A python3 that imports torch and torchvision, or "" when none does: $TRAINLOOP_PYTHON when
-/// set, else the first of python3 (which may be a pyenv or venv without torch) and
-/// /usr/bin/python3 (Debian's python3-torch and python3-torchvision) that does.
+/// A python3 whose torch is this build's libtorch release (TORCH_VERSION) and which imports
+/// torchvision, or "" when none is: $TRAINLOOP_PYTHON when set, else the venv's python3 the build
+/// found libtorch in (TRAINLOOP_TORCH_PYTHON), else the first python3 on PATH.
 inline const std::string& reference_python() {
   static const std::string found = [] {
-    std::vector<std::string> candidates{"python3", "/usr/bin/python3"};
-    if (const char* chosen = std::getenv("TRAINLOOP_PYTHON")) candidates = {chosen};
+    std::vector<std::string> candidates;
+    if (const char* chosen = std::getenv("TRAINLOOP_PYTHON")) {
+      candidates = {chosen};
+    } else {
+#ifdef TRAINLOOP_TORCH_PYTHON
+      candidates.emplace_back(TRAINLOOP_TORCH_PYTHON);
+#endif
+      candidates.emplace_back("python3");
+    }
     for (const auto& candidate : candidates) {
-      const std::string probe = "'" + candidate + "' -c 'import torch, torchvision' >/dev/null 2>&1";
+      const std::string probe = "'" + candidate +
+                                "' -c 'import sys, torch, torchvision; sys.exit(torch.__version__.split(\"+\")[0] != \"" +
+                                TORCH_VERSION + "\")' >/dev/null 2>&1";
       if (std::system(probe.c_str()) == 0) return candidate;
     }
     return std::string();
@@ -36,7 +48,8 @@ inline const std::string& reference_python() {
 /// program Skipped).
 inline boost::test_tools::assertion_result python_present(boost::unit_test::test_unit_id) {
   if (!reference_python().empty()) return true;
-  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 imports torch and torchvision (set TRAINLOOP_PYTHON)" << std::endl;
+  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 imports torch " << TORCH_VERSION
+            << " (this build's libtorch) and torchvision (set TRAINLOOP_PYTHON)" << std::endl;
   boost::test_tools::assertion_result result(false);
   result.message() << "no python3 with torch and torchvision";
   return result;

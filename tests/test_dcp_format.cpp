@@ -2,10 +2,11 @@
 #include "unit_test.hpp"
 
 // torch.distributed.checkpoint's on-disk format (include/trainloop/serialization/dcp/): boxes of
-// flat ranges, a 2-"rank" checkpoint written here and loaded by Python's DCP (torch 2.11) into
+// flat ranges, a 2-"rank" checkpoint written here and loaded by Python's DCP (the torch of the same release) into
 // zero tensors, any flat range read back here, Python's own checkpoints read here bit for bit,
 // every defect a clear CheckpointError naming the file, and the metadata pickle's round trip.
-// Python cases need the 2.11 torch (its DCP is the reference) and are Skipped per case otherwise.
+// Python cases need the Python torch of this build's release (its DCP is the reference) and are
+// Skipped per case otherwise.
 
 #include "python_reference.hpp"
 #include "test_support.hpp"
@@ -47,23 +48,24 @@ void write_bytes(const fs::path& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-/// A Python whose torch is 2.11, whose DCP is the reference; "" when reference_python() is not.
+/// The reference Python (this build's torch release) when its DCP imports, whose DCP is the
+/// reference; "" otherwise.
 const std::string& dcp_python() {
   static const std::string found = [] {
     if (reference_python().empty()) return std::string();
     const std::string probe = "'" + reference_python() +
-                              "' -c 'import sys, torch, torch.distributed.checkpoint; sys.exit(0 if torch.__version__.startswith(\"2.11\") else 1)' "
+                              "' -c 'import sys, torch, torch.distributed.checkpoint; sys.exit(0)' "
                               ">/dev/null 2>&1";
     return std::system(probe.c_str()) == 0 ? reference_python() : std::string();
   }();
   return found;
 }
 
-boost::test_tools::assertion_result python_211_present(boost::unit_test::test_unit_id) {
+boost::test_tools::assertion_result python_dcp_present(boost::unit_test::test_unit_id) {
   if (!dcp_python().empty()) return true;
-  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 with torch 2.11 (the DCP reference; set TRAINLOOP_PYTHON)" << std::endl;
+  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 with torch " TORCH_VERSION " and its DCP (the reference; set TRAINLOOP_PYTHON)" << std::endl;
   boost::test_tools::assertion_result result(false);
-  result.message() << "no python3 with torch 2.11";
+  result.message() << "no python3 with torch " << TORCH_VERSION << " and its DCP";
   return result;
 }
 
@@ -364,7 +366,7 @@ BOOST_AUTO_TEST_CASE(cpp_reads_any_flat_range_of_its_checkpoint) {
   BOOST_TEST(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toInt() == 7);
 }
 
-BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precondition(python_211_present)) {
+BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precondition(python_dcp_present)) {
   TempDir dir;
   const auto tensors = model_tensors();
   write_two_ranks(dir.path / "ck", tensors);
@@ -380,7 +382,7 @@ BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precond
   for (const auto& [name, tensor] : tensors) BOOST_TEST(contains(run.output, "equal " + name + " "));
 }
 
-BOOST_AUTO_TEST_CASE(cpp_reads_python_checkpoints_bit_for_bit, *boost::unit_test::precondition(python_211_present)) {
+BOOST_AUTO_TEST_CASE(cpp_reads_python_checkpoints_bit_for_bit, *boost::unit_test::precondition(python_dcp_present)) {
   TempDir dir;
   const auto run = python(dir.path, "save");
   BOOST_TEST_REQUIRE(run.exit_code == 0);

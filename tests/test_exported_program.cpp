@@ -4,7 +4,7 @@
 // torch.export programs (interop::ExportedProgram) against the real thing. C++ only (libtorch
 // 1.13 too): a program written here in the export schema (pt2_fixture.hpp) runs as its eager
 // module would, train and eval; every kind of bad archive is a clear error at load. Against
-// Python (torch 2.11 and timm in TRAINLOOP_PYTHON; skipped per case where it has none): timm's
+// Python (this build's torch release and timm in TRAINLOOP_PYTHON; skipped per case where it has none): timm's
 // resnet18, efficientnet_b0, convnext_atto and vit_tiny_patch16_224 exported by torch.export,
 // trained 20 steps by export_worker in single and ddp, equal Python eager's same steps; every
 // mode and option trains them; the trained weights go back to Python both ways.
@@ -171,7 +171,7 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
   };
   const std::vector<std::tuple<std::string, Edit, std::vector<std::string>>> cases = {
       {"another schema major", [](json& p, auto&) { p["schema_version"] = {{"major", 9}, {"minor", 0}}; p["torch_version"] = "2.14.0"; },
-       {"export schema 9.0 (torch \"2.14.0\")", "expected schema 8.x", "torch 2.11"}},
+       {"export schema 9.0 (torch \"2.14.0\")", "expected schema 8.x", "torch 2.11 to 2.15"}},
       {"a weight file missing", [](json&, auto& r) { r.erase("data/weights/weight_2"); },
        {"names the file data/weights/weight_2, which the archive does not have"}},
       {"an operator libtorch lacks", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten.no_such_operator.default"; },
@@ -373,7 +373,7 @@ namespace {
 
 const std::vector<std::string> kModels = {"resnet18", "efficientnet_b0", "convnext_atto", "vit_tiny_patch16_224"};
 
-/// A Python with torch.export and timm (TRAINLOOP_PYTHON: the venv of pip torch 2.11), or "".
+/// A Python with torch.export and timm (TRAINLOOP_PYTHON: the venv of this build's pip torch), or "".
 bool export_python_found() {
   static const bool found = [] {
     if (reference_python().empty()) return false;
@@ -385,8 +385,8 @@ bool export_python_found() {
 
 boost::test_tools::assertion_result export_python_present(boost::unit_test::test_unit_id) {
   if (export_python_found()) return true;
-  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 with torch.export and timm (TRAINLOOP_PYTHON: pip torch 2.11's venv, "
-               "scripts/install-deps.sh --libtorch pip)" << std::endl;
+  std::cout << "TRAINLOOP_TEST_SKIPPED: no python3 with torch.export and timm (TRAINLOOP_PYTHON: this build's pip torch venv, "
+               "scripts/install-deps.sh)" << std::endl;
   boost::test_tools::assertion_result result(false);
   result.message() << "no python3 with torch.export and timm";
   return result;

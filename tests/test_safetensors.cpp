@@ -217,9 +217,7 @@ std::string python_dtype(torch::ScalarType dtype) {
       {torch::kFloat64, "float64"}, {torch::kFloat32, "float32"}, {torch::kFloat16, "float16"}, {torch::kBFloat16, "bfloat16"},
       {torch::kInt64, "int64"},     {torch::kInt32, "int32"},     {torch::kInt16, "int16"},     {torch::kInt8, "int8"},
       {torch::kUInt8, "uint8"},     {torch::kBool, "bool"},
-#if TORCH_VERSION_MAJOR >= 2
       {torch::kFloat8_e4m3fn, "float8_e4m3fn"}, {torch::kFloat8_e5m2, "float8_e5m2"},
-#endif
   };
   return names.at(dtype);
 }

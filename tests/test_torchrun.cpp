@@ -9,7 +9,7 @@
 // - with --max-restarts 1, torchrun restarts the ranks, which resume from the newest checkpoint
 //   by themselves and end bit for bit as an uninterrupted torchrun job.
 // Each case is skipped where no torchrun works (Debian's torchrun 1.13 fails on Python 3.11);
-// scripts/test.sh runs these with pip torch 2.11's.
+// scripts/test.sh runs these with the torchrun of the pip torch it builds against.
 
 #include "ddp_test_model.hpp"
 #include "test_support.hpp"
@@ -30,10 +30,13 @@ const std::string& torchrun() {
   static const std::string found = [] {
     std::vector<std::string> candidates;
     if (const char* python = std::getenv("TRAINLOOP_PYTHON")) candidates.push_back("'" + std::string(python) + "' -m torch.distributed.run");
+#ifdef TRAINLOOP_TORCH_PYTHON  // the venv's Python of this build's libtorch (tests/python_reference.hpp)
+    candidates.push_back("'" + std::string(TRAINLOOP_TORCH_PYTHON) + "' -m torch.distributed.run");
+#endif
     candidates.push_back("torchrun");
     for (const auto& candidate : candidates) {
-      // A whole job of one rank that runs `true`: Debian's 1.13 torchrun passes --help but fails
-      // here (no --nproc-per-node spelling; broken on Python 3.11).
+      // A whole job of one rank that runs `true`: a torchrun can pass --help and still fail
+      // here (an old one lacks the --nproc-per-node spelling).
       if (std::system((candidate + " --standalone --nproc-per-node 1 --no-python true > /dev/null 2>&1").c_str()) == 0) {
         return candidate;
       }
@@ -45,7 +48,7 @@ const std::string& torchrun() {
 
 boost::test_tools::assertion_result torchrun_works(boost::unit_test::test_unit_id) {
   if (!torchrun().empty()) return true;
-  std::cout << "TRAINLOOP_TEST_SKIPPED: no torchrun runs here (pip torch 2.x's: scripts/install-deps.sh --libtorch pip, "
+  std::cout << "TRAINLOOP_TEST_SKIPPED: no torchrun runs here (pip torch 2.x's: scripts/install-deps.sh, "
                "TRAINLOOP_PYTHON=<its python>)"
             << std::endl;
   boost::test_tools::assertion_result result(false);

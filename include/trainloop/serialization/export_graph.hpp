@@ -7,7 +7,7 @@
 /// (its nn_module_stack). The node arguments stay JSON here; serialization::GraphProgram checks
 /// them against the operator schemas.
 ///
-/// The schema's major version must be the one this reader knows (8, torch 2.11 writes 8.17);
+/// The schema's major version must be the one this reader knows (8: torch 2.11 writes 8.17, 2.15 8.20);
 /// minor versions only add fields, which are ignored. Everything is checked as it is read: a
 /// field missing, of the wrong type, a name used twice, are errors naming the program and node.
 
@@ -31,7 +31,7 @@
 
 namespace trainloop::serialization {
 
-/// The export schema's major version this reader reads (torch 2.11 writes 8.17).
+/// The export schema's major version this reader reads (torch 2.11 writes 8.17, 2.15 8.20).
 inline constexpr int64_t kExportSchemaMajor = 8;
 
 /// @brief One dimension of the user input as exported: a fixed size, or a symbol (torch.export.Dim).
@@ -148,8 +148,8 @@ inline ExportGraph read_export_graph(const Pt2Archive& archive, const std::strin
   if (graph.schema_major != kExportSchemaMajor) {
     throw fail(concat("was written with export schema ", graph.schema_major, ".", graph.schema_minor, " (torch ",
                       graph.torch_version.empty() ? "unknown" : quote_untrusted(graph.torch_version),
-                      "); expected schema ", kExportSchemaMajor, ".x, which torch 2.11 writes (8.17): export it again "
-                      "with torch 2.11, or with a torch whose torch/_export/serde/schema.yaml says SCHEMA_VERSION ",
+                      "); expected schema ", kExportSchemaMajor, ".x, which torch 2.11 to 2.15 write (8.17 to 8.20): export it "
+                      "again with one of them, or with a torch whose torch/_export/serde/schema.yaml says SCHEMA_VERSION ",
                       kExportSchemaMajor));
   }
   const auto& module = json_member(root, "graph_module", where);

@@ -65,9 +65,7 @@ inline const std::vector<std::pair<std::string_view, torch::ScalarType>>& safete
       {"F64", torch::kFloat64}, {"F32", torch::kFloat32}, {"F16", torch::kFloat16}, {"BF16", torch::kBFloat16},
       {"I64", torch::kInt64},   {"I32", torch::kInt32},   {"I16", torch::kInt16},   {"I8", torch::kInt8},
       {"U8", torch::kUInt8},    {"BOOL", torch::kBool},
-#if TORCH_VERSION_MAJOR >= 2  // libtorch 1.13 has no float8 types
       {"F8_E4M3", torch::kFloat8_e4m3fn}, {"F8_E5M2", torch::kFloat8_e5m2},
-#endif
   };
   return table;
 }
@@ -92,7 +90,7 @@ inline CheckpointError safetensors_error(const std::string& file, const std::str
 }  // namespace detail
 
 /// @brief The torch dtype of safetensors' dtype name ("F32"), or nothing for a name trainloop does
-/// not read (F8_* with libtorch 1.13, which has no float8 types).
+/// not read.
 inline std::optional<torch::ScalarType> safetensors_dtype(std::string_view name) {
   for (const auto& [known, type] : detail::safetensors_dtypes()) {
     if (known == name) return type;

@@ -3,10 +3,10 @@
 /// @brief trainloop::distributed::ProcessGroup: rendezvous through a TCPStore, a Gloo or NCCL backend,
 /// and the handful of collectives the loop needs (sum, max, broadcast, gather, barrier).
 ///
-/// We hold the backend object (ProcessGroupGloo / ProcessGroupNCCL) directly and call its
-/// collectives: that works unchanged in libtorch 1.13, where backends *are* c10d::ProcessGroups,
-/// and in 2.x, where they are c10d::Backends behind a dispatching wrapper we do not need (see the
-/// c10d section of detail/torch_compat.hpp).
+/// We hold the backend object (ProcessGroupGloo / ProcessGroupNCCL, a c10d::Backend) directly and
+/// call its collectives, without the dispatching c10d::ProcessGroup wrapper we do not need (see
+/// the c10d section of detail/torch_compat.hpp, and docs/status.md for what changes when
+/// torchcomms replaces c10d's backends).
 ///
 /// Every collective must be called in the same order with the same shapes on every rank; calls
 /// from several threads of one rank must be serialised by the caller. The job's group (the
@@ -178,45 +178,24 @@ class ProcessGroup {
 
   /// Sums `input` over all ranks and leaves this rank's share of the sum in `output`: `input`
   /// holds world_size() equal chunks of output.numel() elements, and rank r receives the sum of
-  /// every rank's chunk r (a sharded optimizer's gradient step). NCCL, and Gloo in libtorch 2.x,
-  /// have reduce_scatter; libtorch 1.13's Gloo declares it but throws "does not support
-  /// reduce_scatter" before sending anything, on every rank alike. Then the whole input is
-  /// all-reduced and this rank's chunk copied out: the same sums for twice the bytes on the wire
-  /// (2(W-1)/W of the input per rank instead of (W-1)/W). Decided on the first call, once per group.
+  /// every rank's chunk r (a sharded optimizer's gradient step): the backend's own reduce-scatter
+  /// (NCCL's, and Gloo's in every supported libtorch), (W-1)/W of the input on the wire per rank.
   void reduce_scatter_sum(const torch::Tensor& input, const torch::Tensor& output) {
     torch::NoGradGuard no_grad;
     issuer_.check_sharded_sizes(input, output, "reduce_scatter_sum");
     torch::Tensor flat_input = issuer_.staged(input).reshape({-1});
     torch::Tensor shard = issuer_.staged(output);
-    if (native_reduce_scatter_) {
-      std::vector<std::vector<torch::Tensor>> inputs{
-          std::vector<torch::Tensor>(flat_input.chunk(issuer_.world_size()))};
-      std::vector<torch::Tensor> outputs{shard.reshape({-1})};
-      ::c10d::ReduceScatterOptions options;
-      options.reduceOp = ::c10d::ReduceOp::SUM;
-      options.timeout = issuer_.timeout();
-      WorkHandle work;
-      try {
-        const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::ReduceScatter, flat_input);
-        work = issuer_.logged(seq, issuer_.native_checked()->reduce_scatter(outputs, inputs, options));
-      } catch (const c10::Error&) {
-        // Gloo 1.13 refuses reduce_scatter before sending anything, so every rank falls back alike.
-        native_reduce_scatter_ = false;
-      }
-      if (work) {
-        wait(work, "reduce_scatter");
-        if (!shard.is_same(output)) output.copy_(shard);
-        return;
-      }
-    }
-    torch::Tensor summed = flat_input.clone();
-    all_reduce(summed, ::c10d::ReduceOp::SUM, "reduce_scatter (as all_reduce)");
-    output.copy_(summed.narrow(0, issuer_.rank() * output.numel(), output.numel()).view_as(output));
+    std::vector<std::vector<torch::Tensor>> inputs{std::vector<torch::Tensor>(flat_input.chunk(issuer_.world_size()))};
+    std::vector<torch::Tensor> outputs{shard.reshape({-1})};
+    ::c10d::ReduceScatterOptions options;
+    options.reduceOp = ::c10d::ReduceOp::SUM;
+    options.timeout = issuer_.timeout();
+    const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::ReduceScatter, flat_input);
+    wait(issuer_.launched(seq, "reduce_scatter",
+                          [&] { return issuer_.native_checked()->reduce_scatter(outputs, inputs, options); }),
+         "reduce_scatter");
+    if (!shard.is_same(output)) output.copy_(shard);
   }
-
-  /// True while reduce_scatter_sum() uses the backend's own reduce-scatter (false once a backend
-  /// without one, libtorch 1.13's Gloo, made it fall back to an all-reduce).
-  bool native_reduce_scatter() const { return native_reduce_scatter_; }
 
   /// Concatenates every rank's `input` (the same number of elements on every rank) in rank order
   /// into `output` (world_size() times as many): a sharded optimizer's parameter step. An
@@ -282,7 +261,6 @@ class ProcessGroup {
   }
 
   detail::CollectiveIssuer issuer_;  // rank, world size, backend, device, timeout; issues and waits
-  bool native_reduce_scatter_ = true;  // false once the backend said it has none (libtorch 1.13's Gloo)
   c10::intrusive_ptr<::c10d::Store> store_;
 };
 
