@@ -33,6 +33,7 @@ trainloop_run_step("${HOW}" "configuring the consumer" configure_command)
 message(STATUS "${HOW}: building the consumer")
 set(build_command "${CMAKE_COMMAND}" --build "${WORK_DIR}" --target trainloop_consumer)
 trainloop_run_step("${HOW}" "building the consumer" build_command)
-set(run_command "${WORK_DIR}/trainloop_consumer")
+set(run_command "${CMAKE_COMMAND}" -E env "TRAINLOOP_EXPECT_LIBRARIES_UNDER=${EXPECT_LIBRARIES_UNDER}"
+    "${WORK_DIR}/trainloop_consumer")
 trainloop_run_step("${HOW}" "running the consumer" run_command)
 message(STATUS "${HOW}: trainloop works as a subproject")

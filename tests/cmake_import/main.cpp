@@ -3,7 +3,9 @@
 #include <trainloop/trainloop.hpp>
 
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <string>
 
 // The package's interface must carry the c10d definitions (ProcessGroupGloo.hpp is empty
 // without them), whichever libtorch the consumer found.
@@ -23,7 +25,38 @@ TORCH_MODULE(Net);
 
 }  // namespace
 
+/// With TRAINLOOP_EXPECT_LIBRARIES_UNDER set (the test sets it to the pip wheel's
+/// site-packages/nvidia when libtorch is a wheel): every NCCL and CUDA runtime library this process
+/// loaded must come from there, not from an older copy in the CUDA toolkit or the ld.so cache.
+/// Returns the number of libraries found elsewhere (and prints them).
+int libraries_outside_the_wheel() {
+  const char* expected = std::getenv("TRAINLOOP_EXPECT_LIBRARIES_UNDER");
+  if (expected == nullptr || *expected == '\0') return 0;
+  std::ifstream maps("/proc/self/maps");
+  int outside = 0, inside = 0;
+  for (std::string line; std::getline(maps, line);) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string path = line.substr(slash);
+    const std::string name = path.substr(path.rfind('/') + 1);
+    if (name.rfind("libnccl.so", 0) != 0 && name.rfind("libcudart.so", 0) != 0) continue;
+    if (path.rfind(expected, 0) == 0) {
+      ++inside;
+    } else {
+      std::cerr << "FAIL: " << path << " was loaded; expected the wheel's copy under " << expected << "\n";
+      ++outside;
+    }
+  }
+  if (inside == 0) {
+    std::cerr << "FAIL: no libnccl.so / libcudart.so loaded from " << expected << "\n";
+    return 1;
+  }
+  std::cout << "NCCL and the CUDA runtime came from " << expected << " (" << inside << " mappings)\n";
+  return outside;
+}
+
 int main() {
+  if (libraries_outside_the_wheel() != 0) return EXIT_FAILURE;
   torch::manual_seed(0);
   // Two classes split by the sign of the sum of the inputs: learnable by the net above.
   const auto inputs = torch::randn({256, 4});
