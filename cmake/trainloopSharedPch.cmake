@@ -50,26 +50,31 @@ macro(trainloop_find_boost_test)
   endif()
 endmacro()
 
-# Creates the PCH target `trainloop_shared_pch` (when TRAINLOOP_SHARED_PCH is on).
-function(trainloop_add_shared_pch)
-  if(NOT TRAINLOOP_SHARED_PCH)
-    return()
-  endif()
-  set(anchor ${PROJECT_BINARY_DIR}/trainloop_shared_pch.cpp)
+# An object library `target` whose only job is to precompile the headers in ARGN with the flags of
+# trainloop's own programs (trainloop::trainloop, trainloop_warnings, Boost.Test's definitions);
+# other targets reuse it with target_precompile_headers(... REUSE_FROM target).
+function(trainloop_add_pch_target target)
+  set(anchor ${CMAKE_CURRENT_BINARY_DIR}/${target}.cpp)
   if(NOT EXISTS ${anchor})
-    file(WRITE ${anchor} "// Only here so that trainloop_shared_pch has a source to build its PCH with.\n")
+    file(WRITE ${anchor} "// Only here so that ${target} has a source to build its PCH with.\n")
   endif()
-  add_library(trainloop_shared_pch OBJECT ${anchor})
-  target_link_libraries(trainloop_shared_pch PRIVATE trainloop::trainloop trainloop_warnings)
-  target_compile_definitions(trainloop_shared_pch PRIVATE
-                             $<TARGET_PROPERTY:trainloop_boost_test,INTERFACE_COMPILE_DEFINITIONS>)
-  target_compile_options(trainloop_shared_pch PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Winvalid-pch>)
-  # The headers that most programs include (counted over tests/, examples/, benchmarks/ and the
-  # snippets): torch, trainloop's umbrella, interop and the zoo, and the standard headers they use.
-  target_precompile_headers(trainloop_shared_pch PRIVATE
-    <torch/torch.h> <trainloop/trainloop.hpp> <trainloop/interop.hpp> <trainloop/models.hpp>
-    <algorithm> <chrono> <cstdio> <cstdlib> <filesystem> <fstream> <iostream> <map> <sstream> <string>
-    <thread> <vector>)
+  add_library(${target} OBJECT ${anchor})
+  target_link_libraries(${target} PRIVATE trainloop::trainloop trainloop_warnings)
+  target_compile_definitions(${target} PRIVATE $<TARGET_PROPERTY:trainloop_boost_test,INTERFACE_COMPILE_DEFINITIONS>)
+  target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Winvalid-pch>)
+  target_precompile_headers(${target} PRIVATE ${ARGN})
+endfunction()
+
+# Creates the PCH target `trainloop_shared_pch` (when TRAINLOOP_SHARED_PCH is on) with the headers
+# that most programs include (counted over tests/, examples/, benchmarks/ and the snippets):
+# torch, trainloop's umbrella, interop and the zoo, and the standard headers they use.
+function(trainloop_add_shared_pch)
+  if(TRAINLOOP_SHARED_PCH)
+    trainloop_add_pch_target(trainloop_shared_pch
+      <torch/torch.h> <trainloop/trainloop.hpp> <trainloop/interop.hpp> <trainloop/models.hpp>
+      <algorithm> <chrono> <cstdio> <cstdlib> <filesystem> <fstream> <iostream> <map> <sstream> <string>
+      <thread> <vector>)
+  endif()
 endfunction()
 
 # Makes `target` (a program of trainloop's own build that links trainloop::trainloop) reuse the

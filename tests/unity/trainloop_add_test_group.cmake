@@ -53,25 +53,9 @@ function(trainloop_add_test_group program)
   # (a header's anonymous namespace is a bug); here every file is included on purpose, once.
   target_compile_options(${program} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Wno-subobject-linkage>)
 
-  set(cases ${CMAKE_CURRENT_BINARY_DIR}/${program}_cases.cmake)
-  set(lock "")
-  if("ddp" IN_LIST arg_LABELS)
-    set(lock ranks)
-  endif()
-  string(REPLACE ";" "|" labels "${arg_LABELS}")
-  add_custom_command(TARGET ${program} POST_BUILD
-    COMMAND ${CMAKE_COMMAND} -DEXE=$<TARGET_FILE:${program}> -DNAME=${program} -DOUT=${cases} -DLABELS=${labels}
-            -DGROUPED=ON -DLOCK=${lock} -P ${CMAKE_CURRENT_SOURCE_DIR}/discover_cases.cmake
-    VERBATIM)
-  # Until the program is built, one entry per file says so (with the labels, for scripts/test.sh's
-  # selection), and each file's name is a target that builds the program.
-  set(include_file ${CMAKE_CURRENT_BINARY_DIR}/${program}_include.cmake)
-  set(placeholders "")
+  trainloop_discover_cases(${program} GROUPED LABELS ${arg_LABELS} NAMES ${arg_FILES})
+  # Each file's name is a target that builds the program that holds it.
   foreach(file IN LISTS arg_FILES)
-    string(APPEND placeholders "  add_test([=[${file}]=] [=[${file}_NOT_BUILT]=])\n"
-           "  set_tests_properties([=[${file}]=] PROPERTIES LABELS [=[${arg_LABELS}]=])\n")
     add_custom_target(${file} DEPENDS ${program})
   endforeach()
-  file(WRITE ${include_file} "if(EXISTS [=[${cases}]=])\n  include([=[${cases}]=])\nelse()\n${placeholders}endif()\n")
-  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${include_file})
 endfunction()
