@@ -66,6 +66,7 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+mapfile -t versions < <(printf '%s\n' "${versions[@]}" | awk '!seen[$0]++')  # each release once
 for version in "${versions[@]}"; do torchvision_for "$version" > /dev/null || exit 2; done
 
 missing=()
