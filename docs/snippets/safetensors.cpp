@@ -37,4 +37,5 @@ int main() {
   const torch::Tensor rows = file.read_flat("embedding", 64 * 10, 64 * 12);  // rows 10 and 11, flattened
   std::cout << "read " << rows.numel() << " elements of embedding; step = " << file.read("step").item<int64_t>() << '\n';
   std::filesystem::remove_all(dir);
+  return 0;
 }
