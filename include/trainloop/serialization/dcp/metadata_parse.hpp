@@ -134,9 +134,14 @@ inline Metadata parse_metadata(std::string_view pickle, const std::string& sourc
     TensorEntry entry;
     entry.fqn = fqn;
     const auto& properties = walk.state_of(walk.required(state, "properties", "TensorStorageMetadata"), "TensorProperties", "properties");
-    // TensorProperties.__getstate__: (dtype, layout, requires_grad, memory format, pin_memory).
+    // TensorProperties.__getstate__: (dtype, layout, requires_grad, memory format, pin_memory),
+    // and from torch 2.15 on a sixth, the saved tensor's strides (None or ints): they describe its
+    // memory layout, not its values, so they are checked and not used.
     const auto& fields = walk.items(properties, Kind::Tuple, "TensorProperties' state");
-    if (fields.size() != 5) walk.fail("has a TensorProperties state of ", fields.size(), " fields; expected 5");
+    if (fields.size() != 5 && fields.size() != 6) {
+      walk.fail("has a TensorProperties state of ", fields.size(), " fields; expected 5 (torch 2.11) or 6 (2.15: with strides)");
+    }
+    if (fields.size() == 6 && fields[5].kind != Kind::None) walk.ints(fields[5], "TensorProperties' strides");
     if (fields[0].kind != Kind::Global || document.text(fields[0]).rfind("torch.", 0) != 0 ||
         !dtype_from_name(std::string_view(document.text(fields[0])).substr(6), entry.dtype)) {
       walk.fail("gives ", escape_untrusted(fqn), " the dtype ", fields[0].kind == Kind::Global ? quote_untrusted(document.text(fields[0])) : a_kind(fields[0].kind),
