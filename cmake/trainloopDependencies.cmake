@@ -67,12 +67,12 @@ function(trainloop_check_torch_version version)
             "torch/version.h); expected libtorch ${TRAINLOOP_TORCH_OLDEST} to ${TRAINLOOP_TORCH_NEWEST}")
   endif()
   string(REGEX MATCH "^[0-9]+\\.[0-9]+" major_minor "${version}")
-  set(install_hint "Install a supported one, e.g. `python3 -m venv venv && venv/bin/pip install torch==2.15.0`, "
-      "and pass -DCMAKE_PREFIX_PATH=$(venv/bin/python -c 'import torch;print(torch.utils.cmake_prefix_path)') "
-      "(trainloop's scripts/install-deps.sh does this), or unpack the libtorch ${TRAINLOOP_TORCH_NEWEST} download")
+  string(CONCAT install_hint "install a supported one, e.g. `python3 -m venv venv && venv/bin/pip install torch==2.15.0`, "
+         "and pass -DCMAKE_PREFIX_PATH=$(venv/bin/python -c 'import torch;print(torch.utils.cmake_prefix_path)') "
+         "(trainloop's scripts/install-deps.sh does this), or unpack the libtorch ${TRAINLOOP_TORCH_NEWEST} download")
   if(major_minor VERSION_LESS TRAINLOOP_TORCH_OLDEST)
     message(FATAL_ERROR "trainloop: libtorch ${version} was found (${Torch_DIR}); expected libtorch "
-            "${TRAINLOOP_TORCH_OLDEST} to ${TRAINLOOP_TORCH_NEWEST}. ${install_hint}.")
+            "${TRAINLOOP_TORCH_OLDEST} to ${TRAINLOOP_TORCH_NEWEST}; ${install_hint}.")
   endif()
   if(major_minor VERSION_GREATER TRAINLOOP_TORCH_NEWEST AND NOT TRAINLOOP_ALLOW_UNTESTED_TORCH)
     message(FATAL_ERROR "trainloop: libtorch ${version} was found (${Torch_DIR}); expected libtorch "
