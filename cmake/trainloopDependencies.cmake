@@ -169,6 +169,18 @@ function(trainloop_wheel_library_dirs out_var)
   set(${out_var} "${dirs}" PARENT_SCOPE)
 endfunction()
 
+# The link options that put trainloop_wheel_library_dirs() first for the link and the run, in
+# `out_var` (empty for a libtorch that is not a wheel).
+function(trainloop_wheel_link_options out_var)
+  trainloop_wheel_library_dirs(dirs)
+  set(options "")
+  if(dirs)
+    list(JOIN dirs ":" joined)
+    set(options "LINKER:-rpath-link,${joined}" "LINKER:-rpath,${joined}")
+  endif()
+  set(${out_var} "${options}" PARENT_SCOPE)
+endfunction()
+
 # Gloo's headers: ProcessGroupGloo.hpp includes <gloo/...>. Debian's libgloo-dev installs them;
 # pip torch wheels compile Gloo in but ship none of its headers (checked: torch 2.11.0+cu130), so
 # a consumer of pip torch points TRAINLOOP_GLOO_INCLUDE_DIR at a copy (the API trainloop uses,
@@ -232,12 +244,7 @@ function(trainloop_link_dependencies target)
   endif()
 
   # The wheel's own CUDA libraries (NCCL, cuDNN, cuBLAS, the CUDA runtime) before any other copy.
-  trainloop_wheel_library_dirs(wheel_dirs)
-  set(link_options "")
-  if(wheel_dirs)
-    list(JOIN wheel_dirs ":" joined)
-    list(APPEND link_options "LINKER:-rpath-link,${joined}" "LINKER:-rpath,${joined}")
-  endif()
+  trainloop_wheel_link_options(link_options)
 
   trainloop_find_gloo_headers(gloo_found)
   if(NOT gloo_found)
