@@ -97,7 +97,7 @@ FineTuneRun run_finetune_scenario(const std::string& scenario, Mode mode, int64_
   FineNet net(batch_norm);
   tl::ParameterGroups groups(*net, fine_net_split(batch_norm));
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-2);
-  torch::optim::SGD optimizer(groups.optimizer_groups(sgd, tl::lr_range(tl::LrSlice(0.005, 0.05), groups.size())), sgd);
+  auto optimizer = groups.make_optimizer<torch::optim::SGD>(sgd, tl::lr_range(tl::LrSlice(0.005, 0.05), groups.size()));
   auto options = tl::TrainLoopOptions().batch_size(batch_size).shuffle(false).sync_batchnorm(true).num_threads(1);
   tl::TrainLoop<FineNet, Mode> loop(net, make_data(kFineTuneSamples, 1), {}, optimizer, torch::nn::CrossEntropyLoss(),
                                     options, mode);
@@ -141,7 +141,7 @@ torch::Tensor run_zoo_resnet18_fine_tune(Mode mode, int64_t batch_size, torch::S
   const auto x = torch::randn({16, 3, 32, 32}, at::detail::createCPUGenerator(data_seed)).to(dtype);
   const auto y = torch::randint(4, {16}, at::detail::createCPUGenerator(data_seed + 1));
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-2);
-  torch::optim::SGD optimizer(groups.optimizer_groups(sgd), sgd);
+  auto optimizer = groups.make_optimizer<torch::optim::SGD>(sgd);
   auto options = tl::TrainLoopOptions().batch_size(batch_size).shuffle(false).sync_batchnorm(true).num_threads(1).progress(false);
   tl::TrainLoop<tl::models::ImageClassifier, Mode> loop(net, tl::data::TensorDataset(x, y, 4), {}, optimizer,
                                                         torch::nn::CrossEntropyLoss(), options, mode);

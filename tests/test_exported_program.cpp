@@ -350,7 +350,7 @@ BOOST_AUTO_TEST_CASE(fine_tuning_groups_and_freezes_by_python_names) {
   interop::ExportedProgram model(dir.path / "tiny.pt2");
   tl::ParameterGroups groups(*model, {{"body", {"fc1", "bn"}}, {"head", {"fc2"}}});
   BOOST_TEST(groups.parameter_names(1) == (std::vector<std::string>{"fc2.weight", "fc2.bias"}), boost::test_tools::per_element());
-  torch::optim::SGD optimizer(groups.optimizer_groups(torch::optim::SGDOptions(0.1), {0.01, 0.1}), torch::optim::SGDOptions(0.1));
+  auto optimizer = groups.make_optimizer<torch::optim::SGD>(torch::optim::SGDOptions(0.1), {0.01, 0.1});
   BOOST_TEST(optimizer.param_groups()[0].options().get_lr() == 0.01);  // discriminative learning rates
   tl::freeze(groups);  // the body frozen but for its BatchNorm (fastai's train_bn), known by its Python class
   auto parameters = model->named_parameters();

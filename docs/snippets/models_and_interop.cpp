@@ -17,8 +17,7 @@ int main() {
   // Pretrained weights saved by Python (torch.save(model.state_dict(), path)) would load here:
   //   tl::interop::load_state_dict(*model, "resnet18.pt");   // strict: every name and shape must match
   tl::ParameterGroups groups(*model, tl::models::fastai_split("resnet18"));  // stem | layer3-4 | fc
-  torch::optim::AdamW optimizer(groups.optimizer_groups(torch::optim::AdamWOptions(2e-3)),
-                                torch::optim::AdamWOptions(2e-3));
+  auto optimizer = groups.make_optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(2e-3));
   tl::TrainLoop loop(model, tl::data::TensorDataset(x, y, 4), {}, optimizer, torch::nn::CrossEntropyLoss(),
                      tl::TrainLoopOptions().batch_size(16));
   tl::fine_tune(loop, groups, /*epochs=*/1, /*base_lr=*/2e-3);  // an epoch with the body frozen, then one more

@@ -5,8 +5,7 @@
 ///
 /// @code
 /// trainloop::ParameterGroups groups(*model, trainloop::models::fastai_split("resnet50"));
-/// torch::optim::AdamW optimizer(groups.optimizer_groups(torch::optim::AdamWOptions(2e-3)),
-///                               torch::optim::AdamWOptions(2e-3));
+/// auto optimizer = groups.make_optimizer<torch::optim::AdamW>(torch::optim::AdamWOptions(2e-3));
 /// trainloop::TrainLoop loop(model, train, valid, optimizer, criterion);
 /// trainloop::fine_tune(loop, groups, /*epochs=*/4, /*base_lr=*/2e-3);  // the loop's optimizer
 /// @endcode
@@ -86,7 +85,7 @@ concept FitLoopWithOptimizer = FitLoop<Loop> && requires(Loop& loop) {
 /// @brief fastai's fine_tune (see the file comment): a frozen one-cycle of freeze_epochs at
 /// slice(base_lr), then an unfrozen one-cycle of `epochs` at slice(base_lr / 2 / lr_mult, base_lr / 2).
 /// @param loop the loop (a TrainLoop, in any gpu_mode) training the model `groups` split
-/// @param optimizer the loop's optimizer, built from groups.optimizer_groups()
+/// @param optimizer the loop's optimizer, built from groups.make_optimizer()
 /// @param groups the model's parameter groups, body first, head last (two at least)
 /// @param epochs epochs of the unfrozen phase
 /// @param base_lr the head's peak learning rate of the frozen phase (twice the unfrozen phase's)

@@ -7,14 +7,14 @@
 /// trainloop::ParameterGroups groups(*net, {{"stem", {"conv1", "bn1", "layer1", "layer2"}},
 ///                                          {"body", {"layer3", "layer4"}},
 ///                                          {"head", {"fc"}}});
-/// torch::optim::SGD optimizer(groups.optimizer_groups(torch::optim::SGDOptions(1e-3).momentum(0.9)),
-///                             torch::optim::SGDOptions(1e-3).momentum(0.9));
+/// auto optimizer = groups.make_optimizer<torch::optim::SGD>(torch::optim::SGDOptions(1e-3).momentum(0.9),
+///                                                           trainloop::lr_range(trainloop::LrSlice(1e-5, 1e-3), 3));
 /// trainloop::freeze(groups);      // only the head (and every BatchNorm) trains
 /// trainloop::freeze_to(groups, 1);  // the stem frozen, body and head train
 /// @endcode
 ///
 /// The groups hold the model's own parameter tensors, so freezing through them changes the model,
-/// and an optimizer built from optimizer_groups() steps the same tensors.
+/// and an optimizer built from make_optimizer() (or optimizer_groups()) steps the same tensors.
 
 #include <trainloop/error.hpp>
 #include <trainloop/finetune/freeze.hpp>
@@ -103,6 +103,8 @@ class ParameterGroups {
 
   /// @brief The optimizer's param groups, one per group in order, each with a copy of `options`;
   /// with `learning_rates` (one per group, e.g. lr_range()), group g's learning rate is rates[g].
+  /// An optimizer built from them by its constructor may change them on libtorch 2.15 and later
+  /// (see make_optimizer(), which builds one that keeps them).
   /// @throws trainloop::ConfigurationError when learning_rates is neither empty nor one per group.
   std::vector<torch::optim::OptimizerParamGroup> optimizer_groups(
       const torch::optim::OptimizerOptions& options, const std::vector<double>& learning_rates = {}) const {
@@ -117,20 +119,39 @@ class ParameterGroups {
     return groups;
   }
 
+  /// @brief An optimizer of type `OptimizerType` over these groups, in order, each group with a copy
+  /// of `options` and, with `learning_rates` (one per group, e.g. lr_range()), group g's learning
+  /// rate rates[g]; `options` are also the optimizer's defaults.
+  ///
+  /// Why not just `OptimizerType(optimizer_groups(options, rates), options)`: from libtorch 2.15 on,
+  /// the optimizer's constructor replaces every value of a group that equals the options class's
+  /// own default with the defaults' value ("parameter group inheritance"), so a group asking for
+  /// Adam's default 1e-3 under defaults of lr 1.0 silently trained at 1.0. This builds the
+  /// optimizer, then gives each group back exactly the options it was built with, on every release.
+  /// @throws trainloop::ConfigurationError when learning_rates is neither empty nor one per group.
+  template <class OptimizerType, class Options>
+  OptimizerType make_optimizer(const Options& options, const std::vector<double>& learning_rates = {}) const {
+    auto groups = optimizer_groups(options, learning_rates);
+    OptimizerType optimizer(groups, options);
+    auto& built = optimizer.param_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g) built.at(g).set_options(groups[g].options().clone());
+    return optimizer;
+  }
+
   /// @brief Throws unless `optimizer`'s param groups hold exactly these groups' parameters, in
-  /// order (an optimizer built from optimizer_groups()).
+  /// order (an optimizer built from make_optimizer()).
   void check_matches(const torch::optim::Optimizer& optimizer) const {
     const auto& groups = optimizer.param_groups();
     TRAINLOOP_CHECK(groups.size() == size(), "the optimizer has ", groups.size(),
                     " param groups but ParameterGroups has ", size(), " (", described(),
-                    "); expected an optimizer built from ParameterGroups::optimizer_groups()");
+                    "); expected an optimizer built from ParameterGroups::make_optimizer()");
     for (std::size_t g = 0; g < size(); ++g) {
       const auto& held = groups[g].params();
       bool same = held.size() == members_[g].size();
       for (std::size_t i = 0; same && i < held.size(); ++i) same = held[i].is_same(members_[g][i].tensor);
       TRAINLOOP_CHECK(same, "the optimizer's param group ", g, " holds ", held.size(),
                       " parameters that are not group \"", specs_[g].name, "\"'s ", members_[g].size(),
-                      "; expected an optimizer built from ParameterGroups::optimizer_groups()");
+                      "; expected an optimizer built from ParameterGroups::make_optimizer()");
     }
   }
 
