@@ -237,9 +237,9 @@ struct Pickle {
   }
   /// `_rebuild_tensor_v2(('storage', torch.FloatStorage, '0', location, numel), offset, size, stride, False, OrderedDict())`.
   Pickle& tensor(int64_t numel, int64_t offset, const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
-                 const std::string& location = "cpu") {
+                 const std::string& location = "cpu", const std::string& storage_type = "FloatStorage") {
     global("torch._utils", "_rebuild_tensor_v2").op('(');
-    op('(').text("storage").global("torch", "FloatStorage").text("0").text(location).integer(numel).op('t').op('Q');
+    op('(').text("storage").global("torch", storage_type).text("0").text(location).integer(numel).op('t').op('Q');
     integer(offset).ints(size).ints(stride).op('\x89');
     global("collections", "OrderedDict").op(')').op('R');
     return op('t').op('R');
@@ -262,13 +262,15 @@ std::string archive_of(const std::string& pickle, const std::string& storage) {
   return out;
 }
 
-/// A checkpoint of one float tensor "t" of `size` whose one chunk is the item `item`.
-dcp::Metadata one_item_checkpoint(const fs::path& directory, const std::string& item, const std::vector<int64_t>& size) {
+/// A checkpoint of one tensor "t" (float unless `dtype` says) of `size` whose one chunk is the item `item`.
+dcp::Metadata one_item_checkpoint(const fs::path& directory, const std::string& item, const std::vector<int64_t>& size,
+                                  torch::ScalarType dtype = torch::kFloat) {
   fs::create_directories(directory);
   write_bytes(directory / "__0_0.distcp", "padding" + item);
   dcp::Metadata metadata;
   auto& entry = metadata.tensors["t"];
   entry.fqn = "t";
+  entry.dtype = dtype;
   entry.size = size;
   entry.chunks.push_back({std::vector<int64_t>(size.size(), 0), size, "__0_0.distcp", 7, static_cast<int64_t>(item.size())});
   dcp::write_metadata(directory, metadata);
@@ -561,6 +563,14 @@ BOOST_AUTO_TEST_CASE(crafted_items_are_refused_before_their_claims_are_allocated
   const auto gadget = read_error(dir.path / "gadget");
   BOOST_TEST(contains(gadget, (dir.path / "gadget" / "__0_0.distcp").string()));
   BOOST_TEST(contains(gadget, "the global \"os.system\""));
+  // A BOOL item with a byte other than 0 or 1 (undefined behaviour in libtorch's kernels): refused by
+  // the chunk's read and the flat-range read alike, as the safetensors reader refuses it.
+  one_item_checkpoint(dir.path / "bools", archive_of(Pickle().tensor(4, 0, {4}, {1}, "cpu", "BoolStorage").stop(), std::string("\1\0\7\1", 4)),
+                      {4}, torch::kBool);
+  BOOST_TEST(contains(read_error(dir.path / "bools"), "is a BOOL tensor holding byte 7 at storage element 2; expected 0 or 1"));
+  dcp::DistcpReader bools(dir.path / "bools", dcp::read_metadata(dir.path / "bools"));
+  BOOST_TEST(contains(error_of([&] { bools.read_flat_range(dcp::read_metadata(dir.path / "bools").tensors.at("t"), 2, 3); }),
+                      "holding byte 7 at storage element 2"));
   // A transposed view (as Python saves base.t()) is read in its own order.
   one_item_checkpoint(dir.path / "transposed", archive_of(Pickle().tensor(6, 0, {3, 2}, {1, 3}).stop(), [] {
     std::string floats;

@@ -212,6 +212,12 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
          r["data/weights/model_weights_config.json"] = config.dump();
        },
        {"entry \"fc1.weight\" reads elements up to 2000004", "its file has 48 bytes"}},
+      {"a bool weight holding bytes other than 0 and 1", [](json&, auto& r) {
+         auto config = json::parse(r["data/weights/model_weights_config.json"]);
+         config["config"]["fc1.weight"]["tensor_meta"]["dtype"] = 12;  // BOOL over the file's float bytes
+         r["data/weights/model_weights_config.json"] = config.dump();
+       },
+       {"entry \"fc1.weight\"", "is a BOOL tensor whose storage holds byte", "; expected 0 or 1"}},
       {"sizes that overflow", [](json&, auto& r) {
          auto config = json::parse(r["data/weights/model_weights_config.json"]);
          config["config"]["fc1.weight"]["tensor_meta"]["sizes"] = pt2_fixture::sizes_of({int64_t{1} << 40, int64_t{1} << 40});
@@ -237,6 +243,14 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
          p["graph_module"]["signature"]["input_specs"][1]["parameter"]["parameter_name"] = "fc1..bias";
        },
        {"names a tensor \"fc1..bias\"; expected a dotted path of non-empty names"}},
+      {"a name with a quote and a newline", [](json& p, auto&) {
+         p["graph_module"]["signature"]["input_specs"][1]["parameter"]["parameter_name"] = "fc1.b\"\nias";
+       },
+       {"names a tensor \"fc1.b\\\"\\nias\", whose character \"\\\"\" is not a letter, digit, '_' or '-'"}},
+      {"a name that opens brackets", [](json& p, auto&) {
+         p["graph_module"]["signature"]["input_specs"][1]["parameter"]["parameter_name"] = "fc1.b" + std::string(100000, '(');
+       },
+       {"whose character \"(\" is not a letter"}},
       {"a name given twice", [](json& p, auto&) {
          p["graph_module"]["signature"]["input_specs"][1]["parameter"]["parameter_name"] = "fc1.weight";
        },

@@ -11,7 +11,10 @@
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
+#include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/safetensors_index.hpp>
+
+#include <sys/stat.h>
 
 #include <torch/torch.h>
 
@@ -452,8 +455,8 @@ BOOST_AUTO_TEST_CASE(bad_files_are_errors_naming_the_file_and_the_problem) {
   const std::string f32x2 = R"("dtype": "F32", "shape": [2])";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"short", "is 5 bytes long; expected at least 8 (the header's length)"},
-      {"longer", "has a header length of 1000 bytes, longer than the file (20 bytes); expected at most 12"},
-      {"huge", "has a header length of 200000000 bytes; expected at most 100000000 (100 MB)"},
+      {"longer", "has a header length (its first 8 bytes) beyond the 12 bytes after it; expected a .safetensors file"},
+      {"huge", "has a header length (its first 8 bytes) over the limit of 100000000 bytes (100 MB); expected a .safetensors file"},
       {"not json", "has a header that is not JSON ("},
       {"array", "has a header that is JSON array; expected a JSON object of tensors"},
       {"dtype", "has tensor \"w\" of dtype \"F7\"; expected one of F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL"},
@@ -549,6 +552,61 @@ BOOST_AUTO_TEST_CASE(bad_indexes_are_errors_naming_the_index) {
       BOOST_TEST(contains(message, expected), message);
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(special_files_are_refused_without_blocking_or_reading_them) {
+  // A FIFO as the file, the index or a shard used to block open() forever; an index linked to
+  // /dev/zero was read until memory ran out (issue 50). Each must be an error at once.
+  TempDir dir;
+  const auto fifo = dir.path / "pipe.safetensors";
+  BOOST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  auto message = error_of([&] { serialization::SafetensorsFile file(fifo); });
+  BOOST_TEST(contains(message, fifo.string() + " is a FIFO, not a regular file; expected a .safetensors file"), message);
+
+  const auto sharded = dir.path / "sharded";
+  fs::create_directories(sharded);
+  write_all(sharded / "model-00001-of-00001.safetensors", {{"a", torch::ones({2})}});
+  BOOST_REQUIRE(::mkfifo((sharded / "model.safetensors.index.json").c_str(), 0600) == 0);
+  message = error_of([&] { serialization::SafetensorsSource source(sharded); });
+  BOOST_TEST(contains(message, "model.safetensors.index.json is a FIFO, not a regular file; expected an index file"), message);
+
+  fs::remove(sharded / "model.safetensors.index.json");
+  fs::create_symlink("/dev/zero", sharded / "model.safetensors.index.json");
+  message = error_of([&] { serialization::SafetensorsSource source(sharded); });
+  BOOST_TEST(contains(message, "is a character device, not a regular file; expected an index file"), message);
+
+  fs::remove(sharded / "model.safetensors.index.json");
+  write_bytes(sharded / "model.safetensors.index.json", R"({"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "shard-pipe"}})");
+  BOOST_REQUIRE(::mkfifo((sharded / "shard-pipe").c_str(), 0600) == 0);
+  message = error_of([&] { serialization::SafetensorsSource source(sharded); });
+  BOOST_TEST(contains(message, "shard-pipe is a FIFO, not a regular file"), message);
+
+  // A shard that links to some other file: refused without showing that file's first bytes.
+  fs::remove(sharded / "shard-pipe");
+  write_bytes(dir.path / "secret.txt", "password=hunter2 and more text after it");
+  fs::create_symlink(dir.path / "secret.txt", sharded / "shard-pipe");
+  message = error_of([&] { serialization::SafetensorsSource source(sharded); });
+  BOOST_TEST(contains(message, "has a header length (its first 8 bytes) over the limit"), message);
+  const uint64_t first8 = 0x3d64726f77737361ull;  // "password" as a little-endian length
+  BOOST_TEST(!contains(message, std::to_string(first8)), message);
+  BOOST_TEST(!contains(message, "password"), message);
+
+  // A link to a regular safetensors file (Hugging Face's cache: snapshots/ -> blobs/) is followed.
+  fs::remove(sharded / "shard-pipe");
+  write_all(dir.path / "blob", {{"b", torch::zeros({3})}});
+  fs::create_symlink(dir.path / "blob", sharded / "shard-pipe");
+  serialization::SafetensorsSource linked(sharded);
+  BOOST_TEST(linked.entries().size() == 2u);
+}
+
+BOOST_AUTO_TEST_CASE(json_nesting_is_counted_outside_strings) {
+  using serialization::json_depth_beyond;
+  BOOST_TEST(json_depth_beyond(R"({"a": [1, {"b": []}]})", 3) == 0);
+  BOOST_TEST(json_depth_beyond(R"({"a": [1, {"b": []}]})", 2) == 3);
+  BOOST_TEST(json_depth_beyond(R"({"[[[[": "{{{{", "\"[[[": 1})", 1) == 0);  // brackets in strings, an escaped quote
+  BOOST_TEST(json_depth_beyond(R"(["\\", [[1]]])", 2) == 3);                // an escaped backslash ends no string
+  BOOST_TEST(json_depth_beyond(std::string(100000, '[') + std::string(100000, ']'), 64) == 65);
+  BOOST_TEST(json_depth_beyond("]]]]{}", 1) == 0);  // malformed: left for the parser to refuse
 }
 
 // ---- Against Python's safetensors -----------------------------------------------------------------

@@ -238,6 +238,25 @@ BOOST_AUTO_TEST_CASE(nesting_is_bounded_and_never_recursed) {
   BOOST_TEST(contains(load_error(dir.path / "deep.pt"), "holds a list; expected a dict of name -> tensor"));
 }
 
+BOOST_AUTO_TEST_CASE(bool_storages_hold_only_0_and_1) {
+  // Any other byte is undefined behaviour in libtorch's kernels: refused as the safetensors and
+  // DCP readers refuse it (issue 50), naming the storage and the byte.
+  TempDir dir;
+  auto flags = [] {
+    Pickle pickle;
+    pickle.ordered_dict().mark().text("flags").tensor("0", 4, 0, {4}, {1}, "BoolStorage").op('u');
+    return pickle.stop().bytes;
+  };
+  write_archive(dir.path / "bools.pt", flags(), {{"data/0", bin("\1\0\1\2")}});
+  BOOST_TEST(contains(error_of([&] { interop::read_python_state_dict(dir.path / "bools.pt"); }),
+                      "has BOOL storage \"data/0\" holding byte 2 at element 3; expected 0 or 1"));
+  write_archive(dir.path / "good.pt", flags(), {{"data/0", bin("\1\0\1\1")}});
+  const auto good = interop::read_python_state_dict(dir.path / "good.pt");
+  BOOST_TEST_REQUIRE(good.size() == 1u);
+  BOOST_TEST(good[0].first == "flags");
+  BOOST_TEST(torch::equal(good[0].second, torch::tensor({true, false, true, true})));
+}
+
 BOOST_AUTO_TEST_CASE(views_outside_their_storage_are_refused_with_checked_arithmetic) {
   TempDir dir;
   struct Case {

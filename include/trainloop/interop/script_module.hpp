@@ -134,6 +134,7 @@ inline torch::jit::Module load_script_archive(const std::filesystem::path& path)
     // The model's code runs, as with torch.jit.load; its pickles are first read by the safe
     // unpickler, so no nesting or declared size in them reaches libtorch's.
     archive.check_pickles();
+    archive.check_code_nesting();  // libtorch's parser recurses once per bracket level, unbounded
   }
   try {
     return torch::jit::load(path.string(), torch::kCPU);

@@ -204,6 +204,18 @@ inline ExportGraph read_export_graph(const Pt2Archive& archive, const std::strin
     if (empty_part) {
       throw fail(concat("names a tensor ", quote_untrusted(name), "; expected a dotted path of non-empty names (\"layer1.0.weight\")"));
     }
+    // The names become attribute names of the modules trainloop registers, which libtorch's
+    // checkpoints write into TorchScript code: a quote, a newline or a bracket there made a
+    // checkpoint that no resume could read (issue 50). Real models' names are identifiers and
+    // indices (torchvision, timm, the zoo); `-` is allowed for ModuleDict keys.
+    const auto bad = std::find_if(name.begin(), name.end(), [](char c) {
+      return !(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.');
+    });
+    if (bad != name.end()) {
+      throw fail(concat("names a tensor ", quote_untrusted(name), ", whose character ", quote_untrusted(std::string(1, *bad)),
+                        " is not a letter, digit, '_' or '-'; expected module and parameter names as Python's ",
+                        "identifiers and ModuleDict keys spell them (\"layer1.0.weight\")"));
+    }
     if (!targets.insert(name).second) throw fail(concat("names the tensor ", quote_untrusted(name), " twice; expected each once"));
   }
   if (user_inputs != 1) {

@@ -9,6 +9,7 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <nlohmann/json.hpp>
@@ -21,19 +22,16 @@
 
 namespace trainloop::serialization {
 
-/// @brief Parses `text` as JSON, refusing nesting deeper than `max_depth` (nlohmann's parser is
-/// iterative, but what is built from the document is walked recursively).
+/// @brief Parses `text` as JSON, refusing nesting deeper than `max_depth` first (nesting_depth.hpp:
+/// what is built from the document is walked recursively), in time linear in its size.
 /// @throws trainloop::CheckpointError naming `what` for malformed or too deeply nested JSON.
 inline nlohmann::json parse_untrusted_json(std::string_view text, const std::string& what, int max_depth) {
-  nlohmann::json::parser_callback_t bound = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-    if (depth > max_depth) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: ", what, " nests JSON ", depth,
-                                                      " levels deep; expected at most ", max_depth));
-    }
-    return true;
-  };
+  if (const int depth = json_depth_beyond(text, max_depth)) {
+    throw CheckpointError(trainloop::detail::concat("trainloop: ", what, " nests JSON ", depth,
+                                                    " levels deep; expected at most ", max_depth));
+  }
   try {
-    return nlohmann::json::parse(text.begin(), text.end(), bound);
+    return nlohmann::json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::exception& error) {
     throw CheckpointError(trainloop::detail::concat("trainloop: ", what, " is not valid JSON (",
                                                     escape_untrusted(error.what()), "); expected the export schema's JSON"));

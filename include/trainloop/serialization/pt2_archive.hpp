@@ -20,6 +20,7 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/bool_bytes.hpp>
 #include <trainloop/serialization/export_json.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/zip_directory.hpp>
@@ -303,6 +304,15 @@ class Pt2Archive {
     }
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
     const int64_t elements = checked_extent(sizes, strides, offset, item, static_cast<uint64_t>(storage.numel()), where);
+    if (dtype == torch::kBool) {
+      // Every byte of the storage, not only those the view reaches: another view may reach others.
+      const auto bad = first_invalid_bool_byte(storage.data_ptr(), static_cast<std::size_t>(storage.numel()));
+      if (bad != static_cast<std::size_t>(storage.numel())) {
+        throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is a BOOL tensor whose storage holds byte ",
+                                                        int(static_cast<const unsigned char*>(storage.data_ptr())[bad]),
+                                                        " at element ", bad, "; expected 0 or 1"));
+      }
+    }
     if (elements == 0) return torch::empty(sizes, torch::TensorOptions().dtype(dtype));
     // The file's bytes as `elements` items of dtype (a copy when the bytes are not a whole number
     // of items, which only a file that is not torch's has), then the view.

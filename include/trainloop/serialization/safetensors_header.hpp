@@ -12,6 +12,7 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <nlohmann/json.hpp>
@@ -193,16 +194,13 @@ inline SafetensorsEntry parse_entry(const std::string& name, const nlohmann::jso
 inline SafetensorsHeader parse_safetensors_header(std::string_view json, uint64_t data_bytes, const std::string& file) {
   // Nothing deeper than object > entry > shape is valid; bounding depth bounds the walk.
   constexpr int kMaxDepth = 3;
-  nlohmann::json::parser_callback_t bound = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-    if (depth > kMaxDepth) {
-      throw detail::safetensors_error(file, trainloop::detail::concat("has a header nesting JSON ", depth,
-                                                                      " levels deep; expected at most ", kMaxDepth));
-    }
-    return true;
-  };
+  if (const int depth = json_depth_beyond(json, kMaxDepth)) {  // linear time: nesting_depth.hpp says why
+    throw detail::safetensors_error(file, trainloop::detail::concat("has a header nesting JSON ", depth,
+                                                                    " levels deep; expected at most ", kMaxDepth));
+  }
   nlohmann::json document;
   try {
-    document = nlohmann::json::parse(json.begin(), json.end(), bound);
+    document = nlohmann::json::parse(json.begin(), json.end());
   } catch (const nlohmann::json::exception& error) {
     throw detail::safetensors_error(file, "has a header that is not JSON (" + escape_untrusted(error.what()) +
                                               "); expected a JSON object of tensors");

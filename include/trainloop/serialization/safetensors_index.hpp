@@ -10,7 +10,9 @@
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
+#include <trainloop/serialization/regular_file.hpp>
 #include <trainloop/serialization/safetensors_reader.hpp>
 #include <trainloop/serialization/safetensors_writer.hpp>
 
@@ -19,8 +21,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <regex>
 #include <set>
@@ -201,22 +201,22 @@ class SafetensorsSource {
 
   /// The index's weight_map, each file checked to be a plain name in the index's directory.
   static std::map<std::string, std::string> read_index(const std::filesystem::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw index_error(path, "cannot be opened; expected an index file");
-    in.seekg(0, std::ios::end);
-    const auto size = static_cast<uint64_t>(std::max<std::streamoff>(in.tellg(), 0));
-    if (size > kSafetensorsMaxHeaderBytes) {
-      throw index_error(path, trainloop::detail::concat("is ", size, " bytes long; expected at most ", kSafetensorsMaxHeaderBytes));
+    std::string problem;
+    const RegularFile file = open_regular_file(path, problem);  // a FIFO or /dev/zero is refused, not read
+    if (!file.fd) throw index_error(path, problem + "; expected an index file");
+    if (file.size > kSafetensorsMaxHeaderBytes) {
+      throw index_error(path, trainloop::detail::concat("is ", file.size, " bytes long; expected at most ", kSafetensorsMaxHeaderBytes));
     }
-    in.seekg(0);
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    nlohmann::json::parser_callback_t bound = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-      if (depth > 3) throw index_error(path, "nests JSON deeper than 3 levels; expected {\"weight_map\": {name: file}}");
-      return true;
-    };
+    std::string text(file.size, '\0');
+    if (!read_exactly(*file.fd, 0, text.data(), file.size, problem)) {
+      throw index_error(path, "could not be read (" + problem + "); expected a file that does not change while it is read");
+    }
+    if (json_depth_beyond(text, 3) != 0) {  // linear time: nesting_depth.hpp says why
+      throw index_error(path, "nests JSON deeper than 3 levels; expected {\"weight_map\": {name: file}}");
+    }
     nlohmann::json document;
     try {
-      document = nlohmann::json::parse(text, bound);
+      document = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& error) {
       throw index_error(path, "is not JSON (" + escape_untrusted(error.what()) + "); expected {\"weight_map\": {name: file}}");
     }

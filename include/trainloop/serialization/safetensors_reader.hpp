@@ -8,7 +8,9 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/bool_bytes.hpp>
 #include <trainloop/serialization/quoted.hpp>
+#include <trainloop/serialization/regular_file.hpp>
 #include <trainloop/serialization/safetensors_header.hpp>
 
 #include <fcntl.h>
@@ -40,17 +42,11 @@ class SafetensorsFile {
   ///         8 bytes, its header length is over 100 MB or longer than the file, or its header is
   ///         not a valid one (see parse_safetensors_header()).
   explicit SafetensorsFile(const std::filesystem::path& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw detail::safetensors_error(path_.string(), std::string("cannot be opened (") + std::strerror(errno) + ")");
-    fd_ = std::shared_ptr<int>(new int(fd), [](int* owned) {
-      ::close(*owned);
-      delete owned;
-    });
-    struct stat info {};
-    if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
-      throw detail::safetensors_error(path_.string(), "is not a regular file; expected a .safetensors file");
-    }
-    const auto size = static_cast<uint64_t>(info.st_size);
+    std::string problem;
+    RegularFile file = open_regular_file(path, problem);  // a FIFO or a device is refused, not waited on
+    if (!file.fd) throw detail::safetensors_error(path_.string(), problem + "; expected a .safetensors file");
+    fd_ = file.fd;
+    const uint64_t size = file.size;
     if (size < 8) {
       throw detail::safetensors_error(path_.string(), trainloop::detail::concat("is ", size, " bytes long; expected at least 8 ",
                                                                                 "(the header's length)"));
@@ -59,15 +55,16 @@ class SafetensorsFile {
     read_bytes(0, length_bytes, 8, "the header's length");
     uint64_t header_bytes = 0;
     for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];
+    // The length is not printed: a file that is no safetensors file (a link a stranger's index
+    // points elsewhere) would show its first 8 bytes in the message.
     if (header_bytes > kSafetensorsMaxHeaderBytes) {
-      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has a header length of ", header_bytes,
-                                                                                " bytes; expected at most ",
-                                                                                kSafetensorsMaxHeaderBytes, " (100 MB)"));
+      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has a header length (its first 8 bytes) over the limit of ",
+                                                                                kSafetensorsMaxHeaderBytes,
+                                                                                " bytes (100 MB); expected a .safetensors file"));
     }
     if (header_bytes > size - 8) {
-      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has a header length of ", header_bytes,
-                                                                                " bytes, longer than the file (", size,
-                                                                                " bytes); expected at most ", size - 8));
+      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has a header length (its first 8 bytes) beyond the ",
+                                                                                size - 8, " bytes after it; expected a .safetensors file"));
     }
     std::string json(header_bytes, '\0');
     read_bytes(8, json.data(), header_bytes, "the header");
@@ -128,31 +125,21 @@ class SafetensorsFile {
                "tensor " + quote_untrusted(found.name));
     if (found.dtype == torch::kBool) {
       // A bool byte other than 0 or 1 is undefined behaviour in libtorch's kernels.
-      const auto* values = static_cast<const unsigned char*>(tensor.data_ptr());
-      const auto* bad = std::find_if(values, values + bytes, [](unsigned char v) { return v > 1; });
-      if (bad != values + bytes) {
+      const auto bad = first_invalid_bool_byte(tensor.data_ptr(), static_cast<std::size_t>(bytes));
+      if (bad != bytes) {
         throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has BOOL tensor ", quote_untrusted(found.name),
-                                                                                  " holding byte ", int(*bad), " at element ",
-                                                                                  begin + (bad - values), "; expected 0 or 1"));
+                                                                                  " holding byte ", int(static_cast<const unsigned char*>(tensor.data_ptr())[bad]),
+                                                                                  " at element ", begin + static_cast<int64_t>(bad), "; expected 0 or 1"));
       }
     }
     return tensor;
   }
 
   void read_bytes(uint64_t offset, void* into, uint64_t count, const std::string& what) const {
-    auto* out = static_cast<char*>(into);
-    while (count > 0) {
-      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(count, uint64_t{1} << 30));
-      const ssize_t got = ::pread(*fd_, out, chunk, static_cast<off_t>(offset));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) {
-        throw detail::safetensors_error(path_.string(), "could not be read at " + what + " (" +
-                                                            (got == 0 ? std::string("it ended early") : std::strerror(errno)) +
-                                                            "); expected a file that does not change while it is read");
-      }
-      out += got;
-      offset += static_cast<uint64_t>(got);
-      count -= static_cast<uint64_t>(got);
+    std::string problem;
+    if (!read_exactly(*fd_, offset, into, count, problem)) {
+      throw detail::safetensors_error(path_.string(), "could not be read at " + what + " (" + problem +
+                                                          "); expected a file that does not change while it is read");
     }
   }
 

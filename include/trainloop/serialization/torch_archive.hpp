@@ -13,6 +13,8 @@
 ///   file. trainloop's checkpoints are such archives; a scripted model is not (it has forward).
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/bool_bytes.hpp>
+#include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/pickle_reader.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/zip_directory.hpp>
@@ -147,6 +149,13 @@ class TorchArchive {
       return guarded([&] {
         auto [data, size] = reader_->getRecord(record);
         check_read_size(record, size, static_cast<uint64_t>(nbytes));
+        if (dtype == torch::kBool) {
+          const auto bad = first_invalid_bool_byte(data.get(), static_cast<std::size_t>(nbytes));
+          if (bad != static_cast<std::size_t>(nbytes)) {
+            throw error(concat_("has BOOL storage ", quote_untrusted(record), " holding byte ",
+                                int(static_cast<const unsigned char*>(data.get())[bad]), " at element ", bad, "; expected 0 or 1"));
+          }
+        }
         c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), /*allocator=*/nullptr,
                              /*resizable=*/false);
         return torch::empty({0}, options).set_(std::move(storage));
@@ -163,6 +172,7 @@ class TorchArchive {
   /// its code defines a method (no `def`), and check_pickles() passes.
   /// @throws trainloop::CheckpointError naming the file and the record that fails.
   void check_runs_no_code() {
+    check_code_nesting();
     static const std::regex definition(R"((^|[^A-Za-z0-9_])def([^A-Za-z0-9_]|$))");
     for (const auto& [name, size] : sizes_) {
       if (name.rfind("code/", 0) != 0 || !ends_with(name, ".py")) continue;
@@ -174,6 +184,27 @@ class TorchArchive {
       }
     }
     check_pickles();
+  }
+
+  /// @brief How deep the brackets of an archive's TorchScript code may nest. libtorch's parser
+  /// recurses a few frames per level and has no limit of its own (issue 50: 200,000 levels were a
+  /// stack overflow in every resume); Python's own parser stops at 200 levels, and the code libtorch
+  /// writes for real models (type annotations of nested tuples, a module's attribute list) nests
+  /// fewer than 10.
+  static constexpr int kMaxCodeNesting = 100;
+
+  /// @brief Checks that the archive's TorchScript code (code/ *.py, which `torch::jit::load`
+  /// parses) nests brackets at most kMaxCodeNesting deep, in time linear in its size.
+  /// @throws trainloop::CheckpointError naming the file and the record that fails.
+  void check_code_nesting() {
+    for (const auto& [name, size] : sizes_) {
+      if (name.rfind("code/", 0) != 0 || !ends_with(name, ".py")) continue;
+      const std::string source = read(name, PickleLimits{}.max_pickle_bytes);
+      if (const int depth = nesting_depth_beyond(source, kMaxCodeNesting, "\"'")) {
+        throw error(concat_("has TorchScript code (", quote_untrusted(name), ") nesting brackets ", depth,
+                            " levels deep; expected at most ", kMaxCodeNesting, " (libtorch's parser would recurse that deep)"));
+      }
+    }
   }
 
   /// @brief Checks that every pickle `torch::jit::load` reads of the archive (data.pkl,

@@ -13,6 +13,7 @@
 /// all of them (read()) or one flat range of a row-major item (read_flat()).
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/bool_bytes.hpp>
 #include <trainloop/serialization/pickle_reader.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/zip_directory.hpp>
@@ -165,6 +166,7 @@ class DistcpItem {
     const auto item = static_cast<int64_t>(view_.element_size());
     auto storage = torch::empty({span}, torch::TensorOptions().dtype(view_.scalar_type()));
     file_.read(data_offset_ + static_cast<uint64_t>(view_.storage_offset() * item), storage.data_ptr(), static_cast<uint64_t>(span * item));
+    check_bools(storage.data_ptr(), span, view_.storage_offset());
     if (view_.is_contiguous() && span == numel) return storage.view(view_.sizes());
     return storage.as_strided(view_.sizes(), view_.strides(), 0).contiguous();
   }
@@ -183,9 +185,20 @@ class DistcpItem {
                                      "; expected a range inside a row-major item"));
     }
     file_.read(data_offset_ + static_cast<uint64_t>((view_.storage_offset() + begin) * item), out, static_cast<uint64_t>(count * item));
+    check_bools(out, count, view_.storage_offset() + begin);
   }
 
  private:
+  /// A BOOL item's `count` bytes at `data`, the storage's elements from `first` on: 0 or 1 each.
+  void check_bools(const void* data, int64_t count, int64_t first) const {
+    if (view_.scalar_type() != torch::kBool) return;
+    const auto bad = first_invalid_bool_byte(data, static_cast<std::size_t>(count));
+    if (bad != static_cast<std::size_t>(count)) {
+      fail(trainloop::detail::concat("is a BOOL tensor holding byte ", int(static_cast<const unsigned char*>(data)[bad]),
+                                     " at storage element ", first + static_cast<int64_t>(bad), "; expected 0 or 1"));
+    }
+  }
+
   [[noreturn]] void fail(const std::string& what) const {
     throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", file_.path().string(), "'s item at bytes ",
                                                     offset_, "-", offset_ + length_, " ", what));
