@@ -601,7 +601,7 @@ BOOST_AUTO_TEST_CASE(special_files_are_refused_without_blocking_or_reading_them)
 
 BOOST_AUTO_TEST_CASE(json_nesting_is_counted_outside_strings) {
   using serialization::json_depth_beyond;
-  BOOST_TEST(json_depth_beyond(R"({"a": [1, {"b": []}]})", 3) == 0);
+  BOOST_TEST(json_depth_beyond(R"({"a": [1, {"b": []}]})", 4) == 0);
   BOOST_TEST(json_depth_beyond(R"({"a": [1, {"b": []}]})", 2) == 3);
   BOOST_TEST(json_depth_beyond(R"({"[[[[": "{{{{", "\"[[[": 1})", 1) == 0);  // brackets in strings, an escaped quote
   BOOST_TEST(json_depth_beyond(R"(["\\", [[1]]])", 2) == 3);                // an escaped backslash ends no string

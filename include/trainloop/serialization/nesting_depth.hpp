@@ -26,6 +26,8 @@ namespace trainloop::serialization {
 
 /// @brief The first nesting depth beyond `max_depth` that `text` reaches (each open (, [ or {
 /// outside a string literal is one level: `{"a": [1]}` is 2 deep), or 0 when it stays within.
+/// @param text the text, whole (read once, left to right)
+/// @param max_depth the deepest nesting allowed
 /// @param quotes the characters that open a string literal, closed by the same character, with
 ///        backslash escapes ("\"" for JSON, "\"'" for TorchScript's Python)
 inline int nesting_depth_beyond(std::string_view text, int max_depth, std::string_view quotes = "\"") {

@@ -27,6 +27,7 @@ struct RegularFile {
 };
 
 /// @brief Opens `path` for reading if it is a regular file (following symbolic links).
+/// @param path the file a stranger named (a link is followed to what it names)
 /// @param problem set on failure to what is wrong, e.g. "cannot be opened (No such file or
 ///        directory)" or "is a FIFO, not a regular file"
 /// @return the open file, or one whose `fd` is null on failure
