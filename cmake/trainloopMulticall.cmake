@@ -44,7 +44,7 @@ function(trainloop_add_multicall_program program)
       "\n// ---- ${name}.cpp\n"
       "namespace trainloop_program_${id} {\n"
       "#define main trainloop_main_${id}\n"
-      "#include \"${path}\"\n"
+      "#include \"${name}.cpp\"\n"  # by name through -I ${arg_SOURCE_DIR}: ccache's key holds no absolute path
       "#undef main\n"
       "}  // namespace trainloop_program_${id}\n")
     string(APPEND dispatch "  if (called == \"${arg_PREFIX}${name}\") return trainloop_call_main(trainloop_program_${id}::trainloop_main_${id}, argc, argv);\n")

@@ -35,7 +35,7 @@ function(trainloop_add_test_group program)
       "#undef BOOST_TEST_MODULE\n"
       "namespace trainloop_test_${file} {\n"
       "BOOST_AUTO_TEST_SUITE(${file})\n"
-      "#include \"${path}\"\n"
+      "#include \"${file}.cpp\"\n"  # by name, through -I: no absolute path (below)
       "BOOST_AUTO_TEST_SUITE_END()\n"
       "}  // namespace trainloop_test_${file}\n")
   endforeach()
@@ -46,6 +46,9 @@ function(trainloop_add_test_group program)
   file(CONFIGURE OUTPUT ${source} CONTENT "${text}" @ONLY)  # rewritten only when it changes
 
   add_executable(${program} ${source})
+  # The files are included by name through this -I, not by absolute path: with an absolute path in
+  # the generated source, ccache's key held the checkout's folder, so CI's clone (another folder)
+  # never reused a session's objects (CCACHE_BASEDIR makes only the command line's paths relative).
   target_include_directories(${program} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
   target_link_libraries(${program} PRIVATE trainloop::trainloop trainloop_boost_test)
   trainloop_use_shared_pch(${program})
