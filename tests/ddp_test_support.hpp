@@ -3,12 +3,13 @@
 // test_equivalence): starting the worker (spawned ranks, or ranks started by hand with torchrun's
 // variables) and reading what it wrote, the "ckpt" scenario and its one-process reference, Adam's
 // moments in a checkpoint, and the sharding levels as the worker's settings.
-// Include after `#define BOOST_TEST_MODULE name`; the program defines DDP_WORKER_PATH
+// Include after `#define BOOST_TEST_MODULE name`; the worker is test_program("ddp_worker")
 // (tests/CMakeLists.txt).
 
 #include "unit_test.hpp"
 
 #include "ddp_test_model.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/checkpoint/dcp_checkpoint.hpp>
@@ -63,7 +64,7 @@ inline WorkerRun run_worker(const std::string& scenario, int world, int port = 0
   fs::create_directories(run.dir / "tmp");
   // The job's temporary files (run directories, kept error texts) go where the test removes them.
   const std::string tmpdir = env.find("TMPDIR=") == std::string::npos ? "TMPDIR=" + (run.dir / "tmp").string() : "";
-  const std::string command = tmpdir + " " + env + " " + DDP_WORKER_PATH + " " + scenario + " " + std::to_string(world) +
+  const std::string command = tmpdir + " " + env + " " + test_program("ddp_worker") + " " + scenario + " " + std::to_string(world) +
                               " " + run.dir.string() + " " + std::to_string(port) + " 2>&1";
   const auto start = std::chrono::steady_clock::now();
   CommandRun job = run_command(command);
@@ -77,7 +78,7 @@ inline WorkerRun run_worker(const std::string& scenario, int world, int port = 0
 /// Processes still running this worker binary (none may outlive a job).
 inline int leftover_workers() { return processes_running("ddp_worker"); }
 
-/// Runs `DDP_WORKER_PATH scenario` as `world` ranks started by hand with torchrun's variables;
+/// Runs `ddp_worker scenario` as `world` ranks started by hand with torchrun's variables;
 /// returns the combined output once all ended.
 inline std::string run_torchrun_style(const std::string& scenario, int world, const fs::path& dir,
                                       const std::string& env = "") {
@@ -86,7 +87,7 @@ inline std::string run_torchrun_style(const std::string& scenario, int world, co
                        " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " ";
   std::string command = "(";
   for (int rank = 0; rank < world; ++rank) {
-    command += common + "RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank) + " " + DDP_WORKER_PATH +
+    command += common + "RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank) + " " + test_program("ddp_worker") +
                " " + scenario + " " + std::to_string(world) + " " + dir.string() + (rank + 1 < world ? " & " : "; wait");
   }
   command += ") 2>&1";

@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_ddp
 #include "unit_test.hpp"
 
+#include "test_paths.hpp"
+
 // DistributedDataParallel as a user meets it: equal to one process on the combined batch, every way
 // of launching ranks (spawned by fit(), started by hand with torchrun's variables), failures that
 // end the job cleanly and say what happened, and checkpoints, resume and restarts under DDP.
@@ -166,8 +168,8 @@ BOOST_AUTO_TEST_CASE(ranks_started_by_hand_with_torchrun_variables_join_the_job)
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::string common = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " ";
-  std::string command = "(" + common + "RANK=0 LOCAL_RANK=0 " + DDP_WORKER_PATH + " train 2 " + dir.string() + " & " +
-                        common + "RANK=1 LOCAL_RANK=1 " + DDP_WORKER_PATH + " train 2 " + dir.string() +
+  std::string command = "(" + common + "RANK=0 LOCAL_RANK=0 " + test_program("ddp_worker") + " train 2 " + dir.string() + " & " +
+                        common + "RANK=1 LOCAL_RANK=1 " + test_program("ddp_worker") + " train 2 " + dir.string() +
                         "; wait) 2>&1";
   FILE* pipe = ::popen(command.c_str(), "r");
   std::string output;
@@ -326,7 +328,7 @@ BOOST_AUTO_TEST_CASE(killing_the_launcher_takes_every_rank_with_it_and_its_direc
   auto tmp = dir / "tmp";
   fs::create_directories(tmp);
   const std::string tmp_env = "TMPDIR=" + tmp.string();
-  const std::string path = DDP_WORKER_PATH;
+  const std::string path = test_program("ddp_worker");
   std::vector<std::string> args{path, "long", "2", dir.string()};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

@@ -11,6 +11,7 @@
 
 #include "pt2_fixture.hpp"
 #include "python_reference.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
@@ -412,7 +413,7 @@ TempDir& work() {
 }
 
 std::string reference_script() {
-  std::ifstream in(EXPORT_REFERENCE_SCRIPT);
+  std::ifstream in(trainloop_source_dir() / "tests" / "export_reference.py");
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
@@ -436,7 +437,7 @@ void run_worker(const std::string& model, const fs::path& out, const std::string
                 const std::string& optimizer, const std::string& options = "") {
   const auto& dir = python_files();
   fs::create_directories(out);
-  const std::string line = std::string("'") + EXPORT_WORKER + "' '" + (dir / (model + ".pt2")).string() + "' '" +
+  const std::string line = std::string("'") + test_program("export_worker") + "' '" + (dir / (model + ".pt2")).string() + "' '" +
                            (dir / (model + "_data.pt")).string() + "' '" + out.string() + "' " + mode + " " +
                            std::to_string(batch) + " " + std::to_string(steps) + " " + optimizer + " " + options + " > '" +
                            (out / "log.txt").string() + "' 2>&1";

@@ -6,6 +6,7 @@
 // under DataParallel, and under DDP (2 ranks, through finetune_worker) against one process.
 
 #include "finetune_test_model.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/models.hpp>
@@ -341,7 +342,7 @@ namespace {
 /// Runs finetune_worker (which spawns its DDP ranks) and returns the state it saved.
 torch::Tensor run_ddp_worker(const std::string& scenario, int world, std::string& output) {
   TempDir dir("tl-finetune-ddp");
-  const auto command = "TMPDIR=" + dir.path.string() + " " + FINETUNE_WORKER_PATH + " " + scenario + " " +
+  const auto command = "TMPDIR=" + dir.path.string() + " " + test_program("finetune_worker") + " " + scenario + " " +
                        std::to_string(world) + " " + dir.path.string() + " 2>&1";
   FILE* pipe = ::popen(command.c_str(), "r");
   std::array<char, 4096> buffer{};

@@ -1,6 +1,7 @@
 #define BOOST_TEST_MODULE test_launcher
 #include "unit_test.hpp"
 
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/distributed/launch/launcher.hpp>
@@ -20,7 +21,7 @@
 #include <unistd.h>
 #include <vector>
 
-// Most launches start tests/launcher_child (TL_LAUNCHER_CHILD, a program that does not load
+// Most launches start tests/launcher_child (a program that does not load
 // libtorch and so starts in milliseconds instead of about a second). One test uses the default:
 // re-executing this very binary with the same argv; such a child runs this file again and does
 // its work from a static initializer, before Boost.Test's main, then _exits.
@@ -56,8 +57,8 @@ bool wait_for_file(const fs::path& path, std::chrono::milliseconds limit = 60s) 
 /// Options that start `nprocs` ranks of tests/launcher_child running `scenario`.
 distributed::LaunchOptions child_options(int nprocs, const std::string& scenario, const fs::path& out) {
   return distributed::LaunchOptions(nprocs)
-      .executable(TL_LAUNCHER_CHILD)
-      .argv({TL_LAUNCHER_CHILD})
+      .executable(test_program("launcher_child"))
+      .argv({test_program("launcher_child")})
       .env({{"TL_TEST_SCENARIO", scenario}, {"TL_TEST_OUT_DIR", out.string()}});
 }
 
@@ -469,7 +470,7 @@ BOOST_AUTO_TEST_CASE(child_whose_parent_is_not_the_launcher_kills_itself) {
     std::vector<char*> env_pointers;
     for (auto& entry : environment) env_pointers.push_back(entry.data());
     env_pointers.push_back(nullptr);
-    std::string program = TL_LAUNCHER_CHILD;
+    std::string program = test_program("launcher_child");
     char* argv[] = {program.data(), nullptr};
     pid_t pid = -1;
     BOOST_REQUIRE(::posix_spawn(&pid, program.c_str(), nullptr, nullptr, argv, env_pointers.data()) == 0);

@@ -7,6 +7,7 @@
 // (scripts/install-deps.sh installs openmpi-bin).
 
 #include "ddp_test_model.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <unistd.h>
@@ -35,7 +36,7 @@ BOOST_AUTO_TEST_CASE(ranks_started_by_mpirun_on_one_machine_join_without_master_
   // --allow-run-as-root: CI containers run as root; --oversubscribe: two ranks on a machine
   // that may have fewer cores. MASTER_ADDR/MASTER_PORT removed so only the job's identity is left.
   const std::string output = run_command("env -u MASTER_ADDR -u MASTER_PORT mpirun --allow-run-as-root --oversubscribe "
-                                         "-np 2 " DDP_WORKER_PATH " train 2 " + dir.string() + " 2>&1").output;
+                                         "-np 2 " + test_program("ddp_worker") + " train 2 " + dir.string() + " 2>&1").output;
   BOOST_TEST_MESSAGE(output);
   BOOST_REQUIRE_MESSAGE(fs::exists(dir / "params0.pt") && fs::exists(dir / "params1.pt"), output);
   const auto rank0 = load_params((dir / "params0.pt").string());

@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_multinode
 #include "unit_test.hpp"
 
+#include "test_paths.hpp"
+
 #include "ddp_test_model.hpp"
 
 #include <unistd.h>
@@ -63,7 +65,7 @@ BOOST_AUTO_TEST_CASE(two_nodes_in_network_namespaces_train_as_one_job) {
   // Each node starts its own ranks (1 per node here: world 2) with the same master address and port.
   auto node = [&](int rank, const std::string& ns, const std::string& interface) {
     return "ip netns exec " + ns + " env TL_TEST_NNODES=2 TL_TEST_NODE_RANK=" + std::to_string(rank) +
-           " TL_TEST_MASTER_ADDR=" + network.addr0 + " GLOO_SOCKET_IFNAME=" + interface + " " + DDP_WORKER_PATH +
+           " TL_TEST_MASTER_ADDR=" + network.addr0 + " GLOO_SOCKET_IFNAME=" + interface + " " + test_program("ddp_worker") +
            " train 1 " + (dir / ("node" + std::to_string(rank))).string() + " 29731";
   };
   auto [status, output] = shell("(" + node(0, network.ns0, network.if0) + " & " + node(1, network.ns1, network.if1) +

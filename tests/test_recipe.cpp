@@ -6,6 +6,7 @@
 // DDP share (2 and 3 ranks) is at the end, through ddp_worker.
 
 #include "ddp_test_model.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/trainloop.hpp>
@@ -500,7 +501,7 @@ WorkerResult run_worker(const std::string& scenario, int world, const std::strin
   run.dir = fs::temp_directory_path() / ("tl_recipe_" + scenario + "_" + std::to_string(world) + "_" + std::to_string(::getpid()));
   fs::remove_all(run.dir);
   fs::create_directories(run.dir / "tmp");
-  const std::string command = "TMPDIR=" + (run.dir / "tmp").string() + " " + env + " " + DDP_WORKER_PATH + " " + scenario + " " +
+  const std::string command = "TMPDIR=" + (run.dir / "tmp").string() + " " + env + " " + test_program("ddp_worker") + " " + scenario + " " +
                               std::to_string(world) + " " + run.dir.string() + " 0 2>&1";
   FILE* pipe = ::popen(command.c_str(), "r");
   std::array<char, 4096> buffer{};

@@ -8,6 +8,7 @@
 // cases (a module defined in C++ TorchScript) always run.
 
 #include "python_reference.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
@@ -128,7 +129,7 @@ std::pair<torch::Tensor, torch::Tensor> inputs_and_labels(const fs::path& file) 
 int run_worker(const fs::path& model, const fs::path& data, const fs::path& out, const std::string& mode, int batch,
                int epochs, const std::string& checkpoint_args = "") {
   fs::create_directories(out);
-  const std::string line = std::string("'") + SCRIPT_MODULE_WORKER + "' '" + model.string() + "' '" + data.string() + "' '" +
+  const std::string line = std::string("'") + test_program("script_module_worker") + "' '" + model.string() + "' '" + data.string() + "' '" +
                            out.string() + "' " + mode + " " + std::to_string(batch) + " " + std::to_string(epochs) + " " +
                            checkpoint_args + " > '" + (out / "log.txt").string() + "' 2>&1";
   const int status = std::system(line.c_str());

@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE test_sharding
 #include "unit_test.hpp"
 
+#include "test_paths.hpp"
+
 // Sharding over DDP's ranks: ZeRO-1 (DistributedDataParallel().zero(true), sharding optimizer), and
 // FullyShardedDataParallel's levels gradients and full. Who owns what, how units and bad settings
 // are named, each level against plain DDP (parameters, Adam's moments, the state each rank holds),
@@ -142,7 +144,7 @@ BOOST_AUTO_TEST_CASE(a_sharded_model_whose_parameters_change_between_fits_is_ref
   for (int rank = 0; rank < 2; ++rank) {
     const std::string command = "TMPDIR=" + dir.string() + " RANK=" + std::to_string(rank) + " LOCAL_RANK=" +
                                 std::to_string(rank) + " WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-                                std::to_string(port) + " " + DDP_WORKER_PATH + " sharded_model_changes 2 " + dir.string() +
+                                std::to_string(port) + " " + test_program("ddp_worker") + " sharded_model_changes 2 " + dir.string() +
                                 " 2>&1";
     ranks.push_back(::popen(command.c_str(), "r"));
   }

@@ -9,6 +9,7 @@
 // of 60 s: without the watchdog every failing case would take 60 s and name nobody.
 
 #include "ddp_test_model.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/distributed/watch/rank_record.hpp>
@@ -55,7 +56,7 @@ StallRun run_stall(const std::string& scenario, const std::string& env = "", con
   StallRun run;
   const auto started = std::chrono::steady_clock::now();
   const CommandRun command = run_command("env " + unset + " TRAINLOOP_STALL_LIMIT=" + std::to_string(kLimit) + " " + env + " " +
-                                         launcher + " " STALL_WORKER_PATH " " + scenario + " '" + dir.path.string() +
+                                         launcher + " " + test_program("stall_worker") + " " + scenario + " '" + dir.path.string() +
                                          "' 2>&1");
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   run.exit_code = command.exit_code;

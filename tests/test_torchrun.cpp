@@ -12,6 +12,7 @@
 // scripts/test.sh runs these with the torchrun of the pip torch it builds against.
 
 #include "ddp_test_model.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <unistd.h>
@@ -60,7 +61,7 @@ boost::test_tools::assertion_result torchrun_works(boost::unit_test::test_unit_i
 CommandRun run_torchrun(const std::string& env, const std::string& flags, const std::string& scenario,
                         const fs::path& dir) {
   return run_command("env " + env + " " + torchrun() + " --standalone --nproc-per-node 2 " + flags +
-                     " --no-python " DDP_WORKER_PATH " " + scenario + " 2 '" + dir.string() + "' 2>&1");
+                     " --no-python " + test_program("ddp_worker") + " " + scenario + " 2 '" + dir.string() + "' 2>&1");
 }
 
 int leftover_workers() { return processes_running("ddp_worker"); }

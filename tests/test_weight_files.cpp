@@ -9,6 +9,7 @@
 // rest. Cases that need Python are marked; the others always run.
 
 #include "python_reference.hpp"
+#include "test_paths.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
@@ -650,7 +651,7 @@ BOOST_AUTO_TEST_CASE(real_state_dicts_stay_far_below_the_limits, *boost::unit_te
   // resnet152's state_dict and Llama-2-7B's layout, as Python's torch.save writes them
   // (scripts/make-fuzz-corpus.py): the largest real cases pickle_limits.hpp states its limits against.
   TempDir dir;
-  const fs::path script = fs::path(TRAINLOOP_SOURCE_DIR) / "scripts" / "make-fuzz-corpus.py";
+  const fs::path script = trainloop_source_dir() / "scripts" / "make-fuzz-corpus.py";
   const std::string command = "'" + reference_python() + "' '" + script.string() + "' '" + (dir.path / "seeds").string() +
                               "' '" + (dir.path / "real").string() + "' >/dev/null 2>&1";
   BOOST_REQUIRE(std::system(command.c_str()) == 0);

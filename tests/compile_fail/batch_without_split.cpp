@@ -1,7 +1,9 @@
 // Must not compile: DataParallel over a custom batch type that cannot be cut into shards.
-// ctest's compile_fail_batch_split builds it and expects batch_split.hpp's static_assert text.
+// ctest's compile_fail builds it (all_cases.cpp) and expects batch_split.hpp's static_assert text.
 
 #include <trainloop/trainloop.hpp>
+
+namespace compile_fail_batch_without_split {
 
 struct Pair {  // a custom batch with what the model contract needs, but no split(parts)
   torch::Tensor x, y;
@@ -26,9 +28,11 @@ struct PairModelImpl : torch::nn::Cloneable<PairModelImpl> {
 };
 TORCH_MODULE(PairModel);
 
-int main() {
+void run() {
   PairModel model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
   trainloop::TrainLoop<PairModel, trainloop::gpu_mode::DataParallel, Pair> loop(model, PairDataset(), {}, optimizer);
   loop.fit(1);
 }
+
+}  // namespace compile_fail_batch_without_split
