@@ -10,7 +10,9 @@
 // and the child's peak resident memory above what it held before the read (ru_maxrss of the child
 // minus its RSS at the fork), and that peak per byte of input. The readers:
 // - safetensors header: parse_safetensors_header, a header of `__metadata__` entries "k":"" with
-//   short keys (the most JSON values per byte the format takes; tensors cost more bytes each);
+//   short keys (the most JSON values per byte the format takes; refused after 65,536 keys);
+// - safetensors tensors: the same reader, empty tensors `"k":{"dtype":"U8","shape":[0],
+//   "data_offsets":[0,0]}` (all valid: every one becomes an entry, sorted and checked);
 // - safetensors index: SafetensorsSource's index reader, weight_map entries "k":"f" (read from a
 //   file, as it is);
 // - .pt2 program: parse_untrusted_json (what Pt2Archive reads models/*.json with), a list of empty
@@ -126,6 +128,11 @@ int main(int argc, char** argv) {
   const std::vector<Reader> readers{
       {"safetensors header", ser::kSafetensorsMaxHeaderBytes,
        [](uint64_t n) { return document_of(n, "{\"__metadata__\":{", [](uint64_t i) { return "\"" + key_of(i) + "\":\"\""; }, "}}"); },
+       [](const std::string& text) { ser::parse_safetensors_header(text, 0, "worst.safetensors"); }},
+      {"safetensors tensors", ser::kSafetensorsMaxHeaderBytes,
+       [](uint64_t n) {
+         return document_of(n, "{", [](uint64_t i) { return "\"" + key_of(i) + "\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}"; }, "}");
+       },
        [](const std::string& text) { ser::parse_safetensors_header(text, 0, "worst.safetensors"); }},
       {"safetensors index", ser::kSafetensorsMaxHeaderBytes,
        [](uint64_t n) {

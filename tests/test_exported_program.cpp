@@ -50,6 +50,8 @@ std::string load_error(const fs::path& path, const std::string& program = "") {
   return "no error";
 }
 
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 }  // namespace
 
 // ---- C++ only ----------------------------------------------------------------------------------------
@@ -107,6 +109,137 @@ BOOST_AUTO_TEST_CASE(a_program_runs_as_its_eager_module_in_train_and_eval) {
   // What to() changes is what the replica computes with, buffers included.
   replica->to(torch::kDouble);
   BOOST_TEST(torch::allclose(replica->forward(x.to(torch::kDouble)), model->forward(x).to(torch::kDouble), 1e-5, 1e-6));
+}
+
+BOOST_AUTO_TEST_CASE(a_symbolic_size_where_the_operator_takes_a_tensor_runs_as_a_number) {
+  // Python's export of `relu(bn(fc1(x)) * x.shape[0])`: mul.Tensor's `other` is the SymInt of
+  // sym_size, which Python's binding wraps as a 0-dim number (issue 50 found it refused at load).
+  TempDir dir("tl-export-symint");
+  auto program = pt2_fixture::tiny_program();
+  auto& nodes = program["graph_module"]["graph"]["nodes"];
+  nlohmann::json edited = nlohmann::json::array();
+  for (auto node : nodes) {
+    if (node["name"] == "relu") {
+      edited.push_back({{"name", "sym_size_int"}, {"target", "torch.ops.aten.sym_size.int"},
+                        {"inputs", nlohmann::json::array({pt2_fixture::named("self", pt2_fixture::tensor_arg("x")),
+                                                          pt2_fixture::named("dim", {{"as_int", 0}})})},
+                        {"outputs", nlohmann::json::array({{{"as_sym_int", {{"as_name", "sym_size_int"}}}}})},
+                        {"metadata", nlohmann::json::object()}});
+      edited.push_back(pt2_fixture::node(
+          "mul", "torch.ops.aten.mul.Tensor",
+          {pt2_fixture::named("self", pt2_fixture::tensor_arg("batch_norm")),
+           pt2_fixture::named("other", {{"as_sym_int", {{"as_name", "sym_size_int"}}}})},
+          "mul"));
+      node["inputs"][0]["arg"] = pt2_fixture::tensor_arg("mul");
+    }
+    edited.push_back(node);
+  }
+  nodes = edited;
+  pt2_fixture::write_archive(dir.path / "symint.pt2", pt2_fixture::tiny_records(program));
+  interop::ExportedProgram model(dir.path / "symint.pt2");
+  std::map<std::string, torch::Tensor> w;
+  for (const auto& [name, tensor] : pt2_fixture::tiny_weights()) w[name] = tensor.clone();
+  model->train();
+  torch::NoGradGuard no_grad;
+  for (int64_t batch : {5, 3}) {
+    torch::manual_seed(batch);
+    const auto x = torch::randn({batch, 4});
+    auto h = torch::batch_norm(torch::linear(x, w["fc1.weight"], w["fc1.bias"]), w["bn.weight"], w["bn.bias"],
+                               w["bn.running_mean"], w["bn.running_var"], /*training=*/true, 0.1, 1e-5, false);
+    const auto expected = torch::linear(torch::relu(h * batch), w["fc2.weight"], w["fc2.bias"]);
+    const auto out = model->forward(x);
+    BOOST_TEST(out.scalar_type() == torch::kFloat);
+    BOOST_TEST(torch::allclose(out, expected, 1e-6, 1e-6), "batch " << batch << ": " << (out - expected).abs().max().item<double>());
+  }
+  // A graph that computes a tensor where it uses the int: named, not libtorch's internal assertion.
+  for (auto& node : nodes) {
+    if (node["name"] == "mul") node["inputs"][1]["arg"] = {{"as_sym_int", {{"as_name", "linear"}}}};
+  }
+  pt2_fixture::write_archive(dir.path / "tensor_as_int.pt2", pt2_fixture::tiny_records(program));
+  const std::string message = error_of([&] { interop::ExportedProgram(dir.path / "tensor_as_int.pt2")->forward(torch::randn({2, 4})); });
+  BOOST_TEST(message.find("node \"mul\"") != std::string::npos, message);
+  BOOST_TEST(message.find("a value used as an int is Tensor") != std::string::npos, message);
+}
+
+BOOST_AUTO_TEST_CASE(only_listed_operators_run_and_what_their_kernels_trust_is_checked) {
+  // Issue 50: a program runs only operators on the allow-list (operator_policy.hpp); a user may
+  // add one, never a backward, sparse, .out or storage operator; what a kernel trusts is checked.
+  TempDir dir("tl-export-policy");
+  auto with_relu_as = [&](const std::string& target, const std::string& file) {
+    auto program = pt2_fixture::tiny_program();
+    for (auto& node : program["graph_module"]["graph"]["nodes"]) {
+      if (node["name"] == "relu") node["target"] = target;
+    }
+    pt2_fixture::write_archive(dir.path / file, pt2_fixture::tiny_records(program));
+    return error_of([&] { interop::ExportedProgram(dir.path / file); });
+  };
+  const std::string unlisted = with_relu_as("torch.ops.aten.logcumsumexp.default", "unlisted.pt2");
+  BOOST_TEST(contains(unlisted, "calls aten::logcumsumexp.default, which is not on the list of operators"), unlisted);
+  BOOST_TEST(contains(unlisted, "allow_exported_operator(\"aten::logcumsumexp.default\")"), unlisted);
+  const std::string backward = with_relu_as("torch.ops.aten.embedding_dense_backward.default", "backward.pt2");
+  BOOST_TEST(contains(backward, "calls aten::embedding_dense_backward, which is a backward kernel"), backward);
+  const std::string out = with_relu_as("torch.ops.aten.relu.out", "out.pt2");
+  BOOST_TEST(contains(out, "which is an .out variant"), out);
+  BOOST_TEST(contains(error_of([] { tl::serialization::allow_exported_operator("aten::add.out"); }), "is an .out variant"));
+  BOOST_TEST(contains(error_of([] { tl::serialization::allow_exported_operator("aten::max_pool2d_with_indices_backward.default"); }),
+                      "is a backward kernel"));
+  BOOST_TEST(contains(error_of([] { tl::serialization::allow_exported_operator("logcumsumexp"); }), "is not namespace::name.overload"));
+  tl::serialization::allow_exported_operator("aten::logcumsumexp.default");  // now loading gets past the list (and fails on its arguments)
+  BOOST_TEST(contains(with_relu_as("torch.ops.aten.logcumsumexp.default", "unlisted.pt2"), "does not give the argument 'dim'"));
+
+  // _unsafe_index skips its bounds checks: the program's indices are checked before it runs.
+  tl::serialization::allow_exported_operator("aten::full.default");
+  tl::serialization::allow_exported_operator("aten::_unsafe_index.Tensor");
+  auto indexed = [&](int64_t position, const std::string& file) {
+    auto program = pt2_fixture::tiny_program();
+    auto& nodes = program["graph_module"]["graph"]["nodes"];
+    json edited = json::array();
+    for (auto node : nodes) {
+      if (node["name"] == "linear_1") {
+        edited.push_back(pt2_fixture::node("full", "torch.ops.aten.full.default",
+                                           {pt2_fixture::named("size", {{"as_ints", {3}}}),
+                                            pt2_fixture::named("fill_value", {{"as_int", position}}),
+                                            pt2_fixture::named("dtype", {{"as_scalar_type", 5}})},
+                                           "full"));
+        edited.push_back(pt2_fixture::node("picked", "torch.ops.aten._unsafe_index.Tensor",
+                                           {pt2_fixture::named("self", pt2_fixture::tensor_arg("relu")),
+                                            pt2_fixture::named("indices", {{"as_optional_tensors",
+                                                                           {{{"as_none", true}}, {{"as_tensor", {{"name", "full"}}}}}}})},
+                                           "picked"));
+        node["inputs"][0]["arg"] = pt2_fixture::tensor_arg("picked");
+      }
+      edited.push_back(node);
+    }
+    nodes = edited;
+    pt2_fixture::write_archive(dir.path / file, pt2_fixture::tiny_records(program));
+    interop::ExportedProgram model(dir.path / file);
+    return error_of([&] { model->forward(torch::randn({4, 4})); });
+  };
+  BOOST_TEST(indexed(2, "inside.pt2") == "<no trainloop::Error was thrown>");
+  const std::string outside = indexed(7, "outside.pt2");
+  BOOST_TEST(contains(outside, "node \"picked\""), outside);
+  BOOST_TEST(contains(outside, "aten::_unsafe_index is given indices from 7 to 7 for dimension 1 of size 3"), outside);
+
+  // A memory budget: a node whose values pass it is named.
+  pt2_fixture::write_archive(dir.path / "tiny.pt2", pt2_fixture::tiny_records());
+  interop::ExportedProgram model(dir.path / "tiny.pt2");
+  BOOST_TEST(error_of([&] { model->forward(torch::randn({4, 4})); }) == "<no trainloop::Error was thrown>");
+  model->set_memory_budget(40);  // linear's output alone: 4 x 3 floats, 48 bytes
+  const std::string budget = error_of([&] { model->forward(torch::randn({4, 4})); });
+  BOOST_TEST(contains(budget, "node \"linear\""), budget);
+  BOOST_TEST(contains(budget, "over the program's memory budget of 40 bytes (set by the caller)"), budget);
+  // ...and a factory's allocation, known from its arguments, is refused before it is made.
+  auto program = pt2_fixture::tiny_program();
+  program["graph_module"]["graph"]["nodes"].insert(
+      program["graph_module"]["graph"]["nodes"].begin(),
+      pt2_fixture::node("huge", "torch.ops.aten.full.default",
+                        {pt2_fixture::named("size", {{"as_ints", {int64_t{1} << 40}}}), pt2_fixture::named("fill_value", {{"as_float", 1.0}}),
+                         pt2_fixture::named("dtype", {{"as_scalar_type", 7}})},
+                        "huge"));
+  pt2_fixture::write_archive(dir.path / "huge.pt2", pt2_fixture::tiny_records(program));
+  interop::ExportedProgram huge(dir.path / "huge.pt2");
+  const std::string factory = error_of([&] { huge->forward(torch::randn({4, 4})); });
+  BOOST_TEST(contains(factory, "node \"huge\" (\"torch.ops.aten.full.default\") would allocate 1099511627776 elements"), factory);
 }
 
 BOOST_AUTO_TEST_CASE(batch_norm_without_running_statistics_uses_the_batch_in_eval_too) {
@@ -174,7 +307,7 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
       {"another schema major", [](json& p, auto&) { p["schema_version"] = {{"major", 9}, {"minor", 0}}; p["torch_version"] = "2.14.0"; },
        {"export schema 9.0 (torch \"2.14.0\")", "expected schema 8.x", "torch 2.11 to 2.15"}},
       {"a weight file missing", [](json&, auto& r) { r.erase("data/weights/weight_2"); },
-       {"names the file data/weights/weight_2, which the archive does not have"}},
+       {"names the file \"data/weights/weight_2\", which the archive does not have"}},
       {"an operator libtorch lacks", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten.no_such_operator.default"; },
        {"calls aten::no_such_operator.default, which this libtorch", "does not have"}},
       {"arguments that do not match the schema",
@@ -237,7 +370,7 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
       {"a view without bounds checks", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten._reshape_alias.default"; },
        {"calls aten::_reshape_alias, which reads a file or rebinds a tensor's storage"}},
       {"a private operator", [&](json& p, auto&) { node_named(p, "relu")["target"] = "torch.ops.aten._fused_sdp_choice.default"; },
-       {"is a private aten operator that torch.export's training graphs do not use"}},
+       {"calls aten::_fused_sdp_choice.default, which is not on the list of operators a program from a file may run"}},
       {"a constant written in place", [&](json& p, auto&) { node_named(p, "add_")["inputs"][0]["arg"] = {{"as_float", 1.0}}; },
        {"writes its argument 'self' in place, which is a constant of the program"}},
       {"a name with an empty part", [](json& p, auto&) {
@@ -265,7 +398,7 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
       {"JSON nested too deeply", [](json&, auto& r) { r["models/model.json"] = std::string(100000, '[') + std::string(100000, ']'); },
        {"levels deep; expected at most 64"}},
       {"malformed JSON", [](json&, auto& r) { r["models/model.json"] = "{\"graph_module\": "; },
-       {"models/model.json is not valid JSON"}},
+       {"models/model.json\" is not valid JSON"}},
       {"another archive format", [](json&, auto& r) { r["archive_format"] = "pt3"; }, {"has archive_format \"pt3\"; expected \"pt2\""}},
       {"no program", [](json&, auto& r) { r.erase("models/model.json"); }, {"holds no program"}},
   };
@@ -295,9 +428,9 @@ BOOST_AUTO_TEST_CASE(bad_archives_are_clear_errors_at_load) {
   records["models/second.json"] = records["models/model.json"];
   pt2_fixture::write_archive(dir.path / "two.pt2", records);
   const auto two = load_error(dir.path / "two.pt2");
-  BOOST_TEST(two.find("holds 2 programs (model, second); expected the name of the one to train") != std::string::npos, two);
+  BOOST_TEST(two.find("holds 2 programs (\"model\", \"second\"); expected the name of the one to train") != std::string::npos, two);
   const auto absent = load_error(dir.path / "two.pt2", "third");
-  BOOST_TEST(absent.find("has no program 'third'; expected one of: model, second") != std::string::npos, absent);
+  BOOST_TEST(absent.find("has no program 'third'; expected one of: \"model\", \"second\"") != std::string::npos, absent);
   BOOST_TEST(load_error(dir.path / "two.pt2", "model") == "no error");
 }
 

@@ -554,6 +554,38 @@ BOOST_AUTO_TEST_CASE(bad_indexes_are_errors_naming_the_index) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(strangers_names_in_messages_are_escaped_and_cut) {
+  // A name from a file reaches a message quoted, at most 200 bytes of it, its control bytes
+  // escaped (issue 50): a 100,000-byte name holding a terminal escape sequence neither grows the
+  // message nor acts on the terminal that prints it.
+  TempDir dir;
+  const std::string name = "\\u001b[31m" + std::string(100000, 'n');  // JSON's escape of ESC
+  const std::string data8(8, '\0');
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {"tensor name", crafted("{\"" + name + R"(": {"dtype": "F7", "shape": [2], "data_offsets": [0, 8]}})", data8)},
+      {"dtype", crafted(R"({"w": {"dtype": ")" + name + R"(", "shape": [2], "data_offsets": [0, 8]}})", data8)},
+      {"metadata key", crafted(R"({"__metadata__": {")" + name + R"(": 1}})")},
+  };
+  auto check = [](const std::string& message) {
+    BOOST_TEST(message.size() < 1000u, message.size() << " bytes: " << message.substr(0, 300));
+    BOOST_TEST(message.find('\x1b') == std::string::npos);
+    BOOST_TEST(contains(message, "\\x1b[31mnnn"), message.substr(0, 300));
+    BOOST_TEST(contains(message, " bytes in all)"), message.substr(0, 300));
+  };
+  for (const auto& [what, bytes] : files) {
+    BOOST_TEST_CONTEXT(what) { check(error_of_file(dir, bytes)); }
+  }
+  // An index's shard file name, and its tensor name.
+  write_all(dir.path / "model-00001-of-00001.safetensors", {{"a", torch::ones({2})}});
+  const auto index = dir.path / "model.safetensors.index.json";
+  const std::vector<std::string> indexes = {R"({"weight_map": {"a": ")" + name + R"("}})",
+                                            R"({"weight_map": {")" + name + R"(": "model-00001-of-00001.safetensors"}})"};
+  for (const auto& json : indexes) {
+    write_bytes(index, json);
+    check(error_of([&] { serialization::SafetensorsSource source(dir.path); }));
+  }
+}
+
 BOOST_AUTO_TEST_CASE(special_files_are_refused_without_blocking_or_reading_them) {
   // A FIFO as the file, the index or a shard used to block open() forever; an index linked to
   // /dev/zero was read until memory ran out (issue 50). Each must be an error at once.

@@ -13,6 +13,7 @@
 #include "test_support.hpp"
 
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
+#include <trainloop/distributed/ddp/checkpoint_state.hpp>
 #include <trainloop/interop.hpp>
 #include <trainloop/serialization/pickle_reader.hpp>
 
@@ -612,8 +613,22 @@ BOOST_AUTO_TEST_CASE(worst_files_stay_within_the_stated_memory_and_time) {
   // 3. Empty tuples, the cheapest container (1 byte each), left on the stack.
   Pickle tuples;
   tuples.raw(std::string(4000000, ')')).stop();
+  // 4. The views of 1., each of 64 dimensions: c10 keeps their sizes and strides on the heap,
+  //    1 KB more a tensor (charged 512 bytes in all, such a file once took 2 GiB before a refusal).
+  Pickle views64;
+  views64.global("torch._utils", "_rebuild_tensor_v2").put(0);
+  views64.mark().mark().text("storage").global("torch", "FloatStorage").text("0").text("cpu").integer(4).op('t').op('Q');
+  views64.integer(0).mark();
+  for (int d = 0; d < 64; ++d) views64.integer(1);
+  views64.op('t').mark();
+  for (int d = 0; d < 64; ++d) views64.integer(1);
+  views64.op('t').op('\x89').ordered_dict().op('t').put(1).op('0');
+  views64.op(']');
+  for (int i = 0; i < kViews; ++i) views64.op('h').raw(std::string(1, '\0')).op('h').raw(std::string(1, '\1')).op('R').op('a');
+  views64.stop();
   // In order of cost: the peak is the process's, so each file's growth is over the ones before.
-  const std::vector<std::pair<std::string, const Pickle*>> files{{"memo.pt", &memo}, {"tuples.pt", &tuples}, {"views.pt", &views}};
+  const std::vector<std::pair<std::string, const Pickle*>> files{
+      {"memo.pt", &memo}, {"tuples.pt", &tuples}, {"views.pt", &views}, {"views64.pt", &views64}};
   for (const auto& [file, pickle] : files) {
     BOOST_TEST_CONTEXT(file) {
       const auto path = dir.path / file;
@@ -631,6 +646,29 @@ BOOST_AUTO_TEST_CASE(worst_files_stay_within_the_stated_memory_and_time) {
       BOOST_TEST(seconds < 60.0);  // linear: ~1 s here; the bound only says it ends
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(a_comm_hook_state_with_code_never_reaches_libtorch) {
+  // A DDP checkpoint keeps each rank's comm hook state as an archive stored as bytes: libtorch's
+  // reader would compile its code, so it is checked as the checkpoint itself is (issue 50).
+  auto bytes_of = [](const std::function<void(std::ostream&)>& save) {
+    std::ostringstream out;
+    save(out);
+    const std::string text = out.str();
+    return torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, torch::kUInt8).clone();
+  };
+  torch::serialize::OutputArchive plain;
+  plain.write("q", torch::ones({2}));
+  BOOST_TEST(error_of([&] {
+               trainloop::distributed::detail::check_hook_state_runs_no_code(bytes_of([&](std::ostream& out) { plain.save_to(out); }));
+             }) == "<no trainloop::Error was thrown>");
+  torch::jit::Module scripted("Hook");
+  scripted.define("def forward(self, x):\n    return x\n");
+  const std::string message = error_of([&] {
+    trainloop::distributed::detail::check_hook_state_runs_no_code(bytes_of([&](std::ostream& out) { scripted.save(out); }));
+  });
+  BOOST_TEST(contains(message, "the comm hook state of the checkpoint being resumed"), message);
+  BOOST_TEST(contains(message, "whose code defines methods"), message);
 }
 
 BOOST_AUTO_TEST_CASE(torchscript_pickles_nested_top_down_never_reach_libtorch) {

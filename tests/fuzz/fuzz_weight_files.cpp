@@ -13,6 +13,8 @@
 //   4, 7: a whole file read as interop::ExportedProgram reads a PT2 archive (torch.export.save):
 //      the zip directory, the JSON program (schema, signature, nodes), every operator resolved
 //      and every argument checked against its schema, the weights' sizes, strides and offsets;
+//      then the program run forward and backward in train mode and forward in eval mode, as
+//      training runs it (run_program; issue 50: the kernels a program calls are fuzzed too);
 //   5: the same, with the input as the program's models/model.json in a valid archive (the tiny
 //      program of tests/pt2_fixture.hpp), so mutations reach the graph checks at once;
 //   6: the same, with the input as its data/weights/model_weights_config.json;
@@ -46,10 +48,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace {
 
@@ -135,20 +140,61 @@ void read_file_bytes(std::string_view bytes, bool as_torchscript) {
   }
 }
 
+/// Runs `program` as training does: a forward in train mode on an input of the sizes it was
+/// exported with (a dynamic size at its range's low end, at least 2), the backward of its output,
+/// then a forward in eval mode; under a 64 MiB memory budget (GraphProgram::run), inputs of at most
+/// 4096 elements. An operator's error is a refusal; out-of-bounds reads and writes are ASan's.
+void run_program(const ExportGraph& graph, const GraphProgram& program, std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> state;
+  for (const auto& input : graph.inputs) {
+    if (input.kind == ExportInput::Kind::UserInput) continue;
+    const auto found = tensors.find(input.target);
+    if (found == tensors.end()) return;  // ExportedProgram refuses such an archive at load
+    torch::Tensor tensor = found->second.detach();
+    if (input.kind == ExportInput::Kind::Parameter && tensor.is_floating_point()) tensor.requires_grad_(true);
+    state.push_back(tensor);
+  }
+  std::vector<int64_t> sizes;
+  int64_t numel = 1;
+  for (const auto& dim : graph.input_dims) {
+    int64_t size = dim.fixed ? *dim.fixed : 2;
+    if (!dim.fixed && !dim.symbol.empty()) {
+      const auto range = graph.ranges.find(dim.symbol);
+      if (range != graph.ranges.end()) size = std::max<int64_t>(size, range->second.min);
+    }
+    if (size < 0 || size > 4096 || (size > 0 && numel > 4096 / size)) return;
+    numel *= size;
+    sizes.push_back(size);
+  }
+  const int64_t budget = int64_t{64} << 20;
+  try {
+    torch::manual_seed(0);
+    const torch::Tensor output = program.run(state, torch::randn(sizes), /*eval=*/false, budget);
+    if (output.requires_grad() && output.is_floating_point()) output.sum().backward();
+    program.run(state, torch::randn(sizes), /*eval=*/true, budget);
+  } catch (const trainloop::Error&) {
+  } catch (const c10::Error&) {
+  }
+}
+
 /// Reads the scratch file as interop::ExportedProgram does, short of registering the tensors in
-/// a module: every program, its graph compiled against the dispatcher, every tensor read and touched.
+/// a module: every program, its graph compiled against the dispatcher, every tensor read and
+/// touched; then the program run (run_program).
 void read_pt2_file() {
   try {
     Pt2Archive archive(scratch_file());
     for (const auto& name : archive.programs()) {
       const auto graph = read_export_graph(archive, name);
       const GraphProgram program(graph);
+      std::map<std::string, torch::Tensor> tensors;
       for (const char* kind : {"weights", "constants"}) {
         const std::string directory = std::string("data/") + kind + "/";
         for (const auto& payload : archive.read_payloads(directory + name + "_" + kind + "_config.json", directory)) {
           touch(payload.tensor);
+          tensors.emplace(payload.name, payload.tensor);
         }
       }
+      run_program(graph, program, tensors);
     }
   } catch (const trainloop::CheckpointError&) {
   }

@@ -208,6 +208,13 @@ class DcpCheckpoint final : public ShareSource {
                                      "this model: '", found->first, "' has shape ", c10::IntArrayRef(found->second.size),
                                      " and the parameter ", parameter.sizes(), "; expected the optimizer of this model"));
       }
+      // The step count is one number (a crafted one of 3 elements failed inside libtorch at resume).
+      const auto step = metadata_.tensors.find(state_share_key(key, "step"));
+      if (step != metadata_.tensors.end() && serialization::dcp::checked_numel(step->second.size) != 1) {
+        throw CheckpointError(concat("trainloop: the optimizer state in checkpoint ", directory_.string(), " has '",
+                                     step->first, "' of shape ", c10::IntArrayRef(step->second.size),
+                                     "; expected one number (the optimizer's step count)"));
+      }
     });
   }
   /// Reads every stepped parameter's whole state into `optimizer` (the replicated modes, which
@@ -226,7 +233,12 @@ class DcpCheckpoint final : public ShareSource {
       }
       if (!any) return;
       if (const std::string step = state_share_key(key, "step"); has(step)) {
-        optim::set_state_step(*loaded, static_cast<int64_t>(read_whole(step).item<double>()));
+        const double count = read_whole(step).item<double>();
+        if (!(count >= 0.0 && count <= 9007199254740992.0)) {  // 2^53: every count a double holds exactly
+          throw CheckpointError(concat("trainloop: the optimizer state in checkpoint ", directory_.string(), " has '", step,
+                                       "' = ", count, "; expected a step count from 0 to 2^53"));
+        }
+        optim::set_state_step(*loaded, static_cast<int64_t>(count));
       }
       state[optimizer_state_key(state, parameter)] = std::move(loaded);
     });

@@ -35,14 +35,17 @@
 #include <trainloop/serialization/export_graph.hpp>
 #include <trainloop/serialization/graph_program.hpp>
 #include <trainloop/serialization/pt2_archive.hpp>
+#include <trainloop/serialization/quoted.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -105,7 +108,12 @@ class ExportedProgramImpl : public torch::nn::Module {
   /// @brief Runs the program: in train mode as exported, in eval mode with the training flags switched.
   /// @param input the batch (its sizes must be ones the program was exported for)
   /// @return the program's output
-  torch::Tensor forward(torch::Tensor input) { return program_->run(state_, input, !is_training()); }
+  torch::Tensor forward(torch::Tensor input) { return program_->run(state_, input, !is_training(), memory_budget_); }
+
+  /// @brief The most memory the program's values may hold at once while it runs (bytes; its
+  /// replicas keep it). Unset: GraphProgram::default_memory_budget, 1 GiB + 64 x the weights +
+  /// 4096 x the input. A node that passes it is a CheckpointError naming the node.
+  void set_memory_budget(std::optional<int64_t> bytes) { memory_budget_ = bytes; }
 
   /// @brief A deep copy on `device`, for gpu_mode::DataParallel's replicas: its own tensors, the
   /// same compiled program.
@@ -152,7 +160,7 @@ class ExportedProgramImpl : public torch::nn::Module {
   ExportedProgramImpl(const ExportedProgramImpl& other, std::vector<torch::Tensor> state)
       : torch::nn::Module("ExportedProgram"), program_(other.program_), source_(other.source_),
         names_(other.names_), kinds_(other.kinds_), tied_to_(other.tied_to_), classes_(other.classes_),
-        not_in_state_dict_(other.not_in_state_dict_) {
+        not_in_state_dict_(other.not_in_state_dict_), memory_budget_(other.memory_budget_) {
     // register_state returns the registered tensor (a buffer's is a new, detached one): that is
     // the one to() and the replicas' copies update.
     for (size_t i = 0; i < state.size(); ++i) {
@@ -161,8 +169,11 @@ class ExportedProgramImpl : public torch::nn::Module {
   }
 
   static std::string choose_program(const serialization::Pt2Archive& archive, const std::string& wanted) {
-    std::string names;
-    for (const auto& name : archive.programs()) names += (names.empty() ? "" : ", ") + name;
+    std::string names;  // the archive's, quoted; the first 16
+    for (size_t i = 0; i < archive.programs().size() && i < 16; ++i) {
+      names += (i == 0 ? "" : ", ") + serialization::quote_untrusted(archive.programs()[i]);
+    }
+    if (archive.programs().size() > 16) names += ", ...";
     if (wanted.empty()) {
       if (archive.programs().size() == 1) return archive.programs().front();
       throw ConfigurationError(trainloop::detail::concat("trainloop: ", archive.path().string(), " holds ",
@@ -191,14 +202,15 @@ class ExportedProgramImpl : public torch::nn::Module {
       const auto found = payloads.find(input.target);
       if (found == payloads.end()) {
         throw CheckpointError(trainloop::detail::concat(
-            "trainloop: ", graph.program, " needs the tensor '", input.target, "' (its placeholder ", input.graph_name,
-            "), which neither ", weights_config, " nor ", constants_config, " describes; expected every parameter, ",
+            "trainloop: ", graph.program, " needs the tensor '", serialization::escape_untrusted(input.target), "' (its placeholder ",
+            serialization::quote_untrusted(input.graph_name), "), which neither ", serialization::quote_untrusted(weights_config),
+            " nor ", serialization::quote_untrusted(constants_config), " describes; expected every parameter, ",
             "buffer and constant of the program in the archive"));
       }
       const auto& payload = found->second;
       const auto traced = graph.state_sizes.find(input.graph_name);
       if (traced != graph.state_sizes.end() && traced->second != payload.tensor.sizes().vec()) {
-        throw CheckpointError(trainloop::detail::concat("trainloop: ", graph.program, "'s tensor '", input.target, "' has sizes ",
+        throw CheckpointError(trainloop::detail::concat("trainloop: ", graph.program, "'s tensor '", serialization::escape_untrusted(input.target), "' has sizes ",
                                                         payload.tensor.sizes(), "; expected ", c10::IntArrayRef(traced->second),
                                                         ", the sizes its graph was exported with"));
       }
@@ -266,6 +278,7 @@ class ExportedProgramImpl : public torch::nn::Module {
   std::vector<int> tied_to_;               // the state it is tied to (one tensor, two names), or -1
   std::map<std::string, std::string> classes_;  // module path -> class name
   std::set<std::string> not_in_state_dict_;     // non-persistent buffers and constants
+  std::optional<int64_t> memory_budget_;        // set_memory_budget's, or the program's default
 };
 
 /// @brief Holder of ExportedProgramImpl (`ExportedProgram model("model.pt2");`).

@@ -28,11 +28,13 @@ struct ArgumentRecipe {
   /// What the argument is.
   enum class Kind {
     Constant,        ///< `constant`, made at load
-    Value,           ///< the graph value in `slot`
+    Value,           ///< the graph tensor in `slot`
+    SymbolicValue,   ///< the graph's symbolic int or bool in `slot`
     TensorList,      ///< tensors in `slots`
     OptionalTensors, ///< tensors or None (slot -1) in `slots`
     IntList,         ///< ints: `ints[i]`, or the symbolic int in `slots[i]` when that is >= 0
     Device,          ///< a device the program names: the device the input is on when run
+    WrappedNumber,   ///< the symbolic int or bool in `slot`, as a 0-dim "wrapped number" tensor
   };
   Kind kind = Kind::Constant;  ///< what it is
   c10::IValue constant;        ///< for Constant
@@ -105,14 +107,24 @@ inline ArgumentRecipe make_argument_recipe(const nlohmann::json& argument, const
   const auto type_kind = type->kind();
   // A Python number where the schema takes a Tensor (`x.add_(1)` on a Tensor overload): what
   // Python's binding makes of it, a 0-dim "wrapped number" that type promotion treats as a scalar.
-  if (type_kind == c10::TypeKind::TensorType && (kind == "as_int" || kind == "as_float" || kind == "as_bool")) {
+  // A symbolic one too: `y * x.shape[0]` exports mul.Tensor(y, <SymInt>), made when the program runs.
+  if (type_kind == c10::TypeKind::TensorType && (kind == "as_int" || kind == "as_float" || kind == "as_bool" ||
+                                                 kind == "as_sym_int" || kind == "as_sym_bool")) {
+    const auto symbolic = kind == "as_sym_int" || kind == "as_sym_bool" ? json_union(*value, what) : unioned;
+    const std::string& number_kind = symbolic.first;
+    const nlohmann::json& number_value = *symbolic.second;
+    if (kind != number_kind && number_kind == "as_name") {
+      recipe.kind = Kind::WrappedNumber;
+      recipe.slot = slot_of(json_string(number_value, what));
+      return recipe;
+    }
     torch::Tensor number;
-    if (kind == "as_int") {
-      number = torch::scalar_tensor(json_int(*value, what), torch::kLong);
-    } else if (kind == "as_float" && value->is_number()) {
-      number = torch::scalar_tensor(value->get<double>(), torch::kDouble);
-    } else if (kind == "as_bool" && value->is_boolean()) {
-      number = torch::scalar_tensor(value->get<bool>(), torch::kBool);
+    if (number_kind == "as_int" && kind != "as_sym_bool") {
+      number = torch::scalar_tensor(json_int(number_value, what), torch::kLong);
+    } else if (number_kind == "as_float" && kind == "as_float" && number_value.is_number()) {
+      number = torch::scalar_tensor(number_value.get<double>(), torch::kDouble);
+    } else if (number_kind == "as_bool" && kind != "as_sym_int" && number_value.is_boolean()) {
+      number = torch::scalar_tensor(number_value.get<bool>(), torch::kBool);
     } else {
       throw mismatch();
     }
@@ -176,7 +188,7 @@ inline ArgumentRecipe make_argument_recipe(const nlohmann::json& argument, const
     }
     auto [sym_kind, sym_value] = json_union(*value, what);
     if (sym_kind == "as_name") {
-      recipe.kind = Kind::Value;
+      recipe.kind = Kind::SymbolicValue;
       recipe.slot = slot_of(json_string(*sym_value, what));
     } else if (sym_kind == "as_int" && !wants_bool) {
       recipe.constant = json_int(*sym_value, what);
@@ -243,24 +255,44 @@ inline ArgumentRecipe make_argument_recipe(const nlohmann::json& argument, const
   return recipe;
 }
 
+namespace detail {
+
+/// The graph value in `slot`, which the program uses as a tensor (`tensor`) or an int; a value of
+/// the other kind (a crafted graph that computes a tensor where it uses an int) is a
+/// CheckpointError, not libtorch's internal assertion in IValue::toInt.
+inline const c10::IValue& graph_value(const std::vector<c10::IValue>& values, int slot, bool tensor) {
+  const c10::IValue& value = values[static_cast<size_t>(slot)];
+  if (tensor ? !value.isTensor() : !(value.isInt() || value.isBool())) {
+    throw CheckpointError(trainloop::detail::concat("a value used as ", tensor ? "a tensor" : "an int", " is ",
+                                                    value.tagKind(), "; expected ", tensor ? "a tensor" : "an int",
+                                                    " (the graph computes one kind of value and uses another)"));
+  }
+  return value;
+}
+
+}  // namespace detail
+
 /// @brief The argument's value for a call, from the recipe and the graph values.
+/// @throws trainloop::CheckpointError when a graph value is not of the kind the argument takes.
 inline c10::IValue make_argument(const ArgumentRecipe& recipe, const std::vector<c10::IValue>& values,
                                  const c10::Device& device) {
   using Kind = ArgumentRecipe::Kind;
   switch (recipe.kind) {
     case Kind::Constant: return recipe.constant;
-    case Kind::Value: return values[static_cast<size_t>(recipe.slot)];
+    case Kind::Value: return detail::graph_value(values, recipe.slot, true);
+    case Kind::SymbolicValue: return detail::graph_value(values, recipe.slot, false);
     case Kind::TensorList: {
       c10::List<at::Tensor> list;
       list.reserve(recipe.slots.size());
-      for (int slot : recipe.slots) list.push_back(values[static_cast<size_t>(slot)].toTensor());
+      for (int slot : recipe.slots) list.push_back(detail::graph_value(values, slot, true).toTensor());
       return list;
     }
     case Kind::OptionalTensors: {
       c10::List<c10::optional<at::Tensor>> list;
       list.reserve(recipe.slots.size());
       for (int slot : recipe.slots) {
-        list.push_back(slot < 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(values[static_cast<size_t>(slot)].toTensor()));
+        list.push_back(slot < 0 ? c10::optional<at::Tensor>()
+                                : c10::optional<at::Tensor>(detail::graph_value(values, slot, true).toTensor()));
       }
       return list;
     }
@@ -268,11 +300,18 @@ inline c10::IValue make_argument(const ArgumentRecipe& recipe, const std::vector
       c10::List<int64_t> list;
       list.reserve(recipe.ints.size());
       for (size_t i = 0; i < recipe.ints.size(); ++i) {
-        list.push_back(recipe.slots[i] < 0 ? recipe.ints[i] : values[static_cast<size_t>(recipe.slots[i])].toInt());
+        list.push_back(recipe.slots[i] < 0 ? recipe.ints[i] : detail::graph_value(values, recipe.slots[i], false).toInt());
       }
       return list;
     }
     case Kind::Device: return device;
+    case Kind::WrappedNumber: {
+      const c10::IValue& number = detail::graph_value(values, recipe.slot, false);
+      torch::Tensor wrapped = number.isBool() ? torch::scalar_tensor(number.toBool(), torch::kBool)
+                                              : torch::scalar_tensor(number.toInt(), torch::kLong);
+      wrapped.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return wrapped;
+    }
   }
   return {};
 }

@@ -183,7 +183,7 @@ inline ExportGraph read_export_graph(const Pt2Archive& archive, const std::strin
     } else if (kind == "user_input") {
       auto [arg_kind, arg] = json_union(json_member(*value, "arg", where + " user input"), where + " user input");
       if (arg_kind != "as_tensor") {
-        throw fail(concat("takes a user input that is ", arg_kind, "; expected exactly one tensor input (forward(x))"));
+        throw fail(concat("takes a user input that is ", quote_untrusted(arg_kind), "; expected exactly one tensor input (forward(x))"));
       }
       input.kind = ExportInput::Kind::UserInput;
       input.graph_name = json_string(json_member(*arg, "name", where), where + " user input name");
@@ -254,7 +254,7 @@ inline ExportGraph read_export_graph(const Pt2Archive& archive, const std::strin
       continue;
     }
     const auto& meta = json_member(tensor_values, input.graph_name.c_str(), where + " tensor_values");
-    const auto& sizes = json_member(meta, "sizes", where + " input " + input.graph_name);
+    const auto& sizes = json_member(meta, "sizes", where + " input " + quote_untrusted(input.graph_name));
     if (!sizes.is_array() || sizes.size() > 64) throw fail("has an input whose sizes are not a list of at most 64");
     for (const auto& size : sizes) {
       auto [kind, value] = json_union(size, where + " input size");

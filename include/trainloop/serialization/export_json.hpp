@@ -42,11 +42,11 @@ inline nlohmann::json parse_untrusted_json(std::string_view text, const std::str
 inline const nlohmann::json& json_member(const nlohmann::json& object, const char* key, const std::string& where) {
   if (!object.is_object()) {
     throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " is ", object.type_name(),
-                                                    "; expected a JSON object with '", key, "'"));
+                                                    "; expected a JSON object with '", escape_untrusted(key), "'"));
   }
   const auto found = object.find(key);
   if (found == object.end()) {
-    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has no '", key, "'; expected one"));
+    throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " has no '", escape_untrusted(key), "'; expected one"));
   }
   return *found;
 }

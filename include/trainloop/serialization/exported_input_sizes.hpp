@@ -7,6 +7,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/export_graph.hpp>
+#include <trainloop/serialization/quoted.hpp>
 
 #include <torch/torch.h>
 
@@ -31,7 +32,7 @@ class ExportedInputSizes {
     auto exported = [&] {
       std::string text = "[";
       for (size_t d = 0; d < dims_.size(); ++d) {
-        text += (d ? ", " : "") + (dims_[d].fixed ? std::to_string(*dims_[d].fixed) : dims_[d].symbol.empty() ? dims_[d].expression : dims_[d].symbol);
+        text += (d ? ", " : "") + (dims_[d].fixed ? std::to_string(*dims_[d].fixed) : dims_[d].symbol.empty() ? quote_untrusted(dims_[d].expression) : escape_untrusted(dims_[d].symbol));
       }
       return text + "]";
     };
@@ -54,14 +55,14 @@ class ExportedInputSizes {
       const auto [previous, fresh] = bound.emplace(dim.symbol, size);
       if (!fresh && previous->second != size) {
         throw ConfigurationError(concat("trainloop: the input of ", program_, " has sizes ", input.sizes(), "; expected ",
-                                        "equal sizes wherever the export has the symbol ", dim.symbol, ": ", exported()));
+                                        "equal sizes wherever the export has the symbol ", escape_untrusted(dim.symbol), ": ", exported()));
       }
       const auto range = ranges_.find(dim.symbol);
       if (range != ranges_.end() && (size < range->second.min || (range->second.max && size > *range->second.max))) {
         throw ConfigurationError(concat("trainloop: the input of ", program_, " has size ", size, " in dimension ", d,
                                         "; expected ", range->second.min, " to ",
                                         range->second.max ? std::to_string(*range->second.max) : std::string("any size"),
-                                        " (the range of its torch.export.Dim ", dim.symbol, ")"));
+                                        " (the range of its torch.export.Dim ", escape_untrusted(dim.symbol), ")"));
       }
     }
   }

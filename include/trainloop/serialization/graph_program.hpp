@@ -28,7 +28,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -71,33 +75,123 @@ class GraphProgram {
   /// @param input the one user input
   /// @param eval run in eval mode (see the file comment)
   /// @return the output
+  /// @param memory_budget the bytes the values it makes may hold at once (default_memory_budget when unset)
   /// @throws trainloop::ConfigurationError when the input's sizes are not ones the program was
-  ///         exported for; c10::Error from an operator, with the node named in its context.
-  torch::Tensor run(const std::vector<torch::Tensor>& state, const torch::Tensor& input, bool eval) const {
+  ///         exported for; trainloop::CheckpointError naming the node when a value is not of the
+  ///         kind its use takes, an argument fails its operator's check (operator_checks.hpp) or the
+  ///         values pass the memory budget; c10::Error from an operator, with the node named in its context.
+  torch::Tensor run(const std::vector<torch::Tensor>& state, const torch::Tensor& input, bool eval,
+                    std::optional<int64_t> memory_budget = std::nullopt) const {
     input_sizes_.check(input);
     std::vector<c10::IValue> values(slot_count_);
     for (size_t i = 0; i < state_slots_.size() && i < state.size(); ++i) values[static_cast<size_t>(state_slots_[i])] = state[i];
     values[static_cast<size_t>(input_slot_)] = input;
     const c10::Device device = input.device();
+    int64_t weight_bytes = 0;
+    for (const auto& tensor : state) weight_bytes += tensor.defined() ? static_cast<int64_t>(tensor.nbytes()) : 0;
+    const int64_t input_bytes = static_cast<int64_t>(input.nbytes());
+    const int64_t budget = memory_budget ? *memory_budget : default_memory_budget(weight_bytes, input_bytes);
+    LiveBytes live;  // the storages the program's values hold beyond the weights and the input
     std::vector<c10::IValue> stack;
     for (const auto& step : steps_) {
       if (!(eval && step.skip_in_eval)) {
         stack.clear();
-        for (const auto& argument : step.arguments) stack.push_back(make_argument(argument, values, device));
+        try {
+          for (const auto& argument : step.arguments) stack.push_back(make_argument(argument, values, device));
+        } catch (const CheckpointError& error) {
+          throw CheckpointError(trainloop::detail::concat("trainloop: ", program_, " node ", quote_untrusted(step.node), ": ",
+                                                          error.what()));
+        }
         if (eval) {
           for (const auto& [index, value] : step.eval_arguments) stack[index] = value;
         }
+        // A factory's allocation, known from its arguments, is refused before it is made (8 bytes
+        // an element at most): `full([2^40], 1.0)` would otherwise take the memory, then be named.
+        if (const int64_t elements = step.elements_to_allocate(stack);
+            elements > 0 && (elements > (budget - live.bytes()) / 8)) {
+          throw CheckpointError(trainloop::detail::concat(
+              "trainloop: ", program_, " node ", quote_untrusted(step.node), " (", quote_untrusted(step.target), ") would allocate ",
+              elements, " elements, past the program's memory budget of ", budget, " bytes (", live.bytes(), " in use); expected ",
+              "a program of a real model, or a larger budget: ExportedProgram::set_memory_budget"));
+        }
         step.call(stack, program_);
         for (size_t r = 0; r < step.outputs.size() && r < stack.size(); ++r) step.outputs[r].store(stack[r], values, program_);
+        for (const auto& output : step.outputs) {
+          for (int slot : output.slots) live.add(values[static_cast<size_t>(slot)]);
+        }
+        if (live.bytes() > budget) {
+          throw CheckpointError(trainloop::detail::concat(
+              "trainloop: ", program_, " node ", quote_untrusted(step.node), " (", quote_untrusted(step.target), ") leaves ",
+              live.bytes(), " bytes of values alive, over the program's memory budget of ", budget, " bytes",
+              memory_budget ? " (set by the caller)" : trainloop::detail::concat(" (1 GiB + 64 x its ", weight_bytes,
+                                                                                  " bytes of weights + 4096 x its input's ",
+                                                                                  input_bytes, ")"),
+              "; expected a program of a real model, or a larger budget: ExportedProgram::set_memory_budget"));
+        }
       }
-      for (int slot : step.release) values[static_cast<size_t>(slot)] = c10::IValue();
+      for (int slot : step.release) {
+        live.remove(values[static_cast<size_t>(slot)]);
+        values[static_cast<size_t>(slot)] = c10::IValue();
+      }
+    }
+    if (!values[static_cast<size_t>(output_slot_)].isTensor()) {
+      throw CheckpointError(trainloop::detail::concat("trainloop: ", program_, "'s output is ",
+                                                      values[static_cast<size_t>(output_slot_)].tagKind(),
+                                                      "; expected a tensor"));
     }
     return values[static_cast<size_t>(output_slot_)].toTensor();
+  }
+
+  /// @brief The memory a run may hold in values the program makes, unless the caller sets one:
+  /// 1 GiB + 64 x the weights + 4096 x the input. Generous for real models (an LM's logits are
+  /// ~4x its head's weights at 16k tokens; a ResNet's largest activation ~5x its input), while a
+  /// 2 KB program from a stranger that asks for 6 GiB (issue 50) is stopped at the node that does.
+  static int64_t default_memory_budget(int64_t weight_bytes, int64_t input_bytes) {
+    constexpr int64_t kBase = int64_t{1} << 30;
+    const int64_t limit = std::numeric_limits<int64_t>::max() / 8;
+    return kBase + std::min(weight_bytes, limit / 64) * 64 + std::min(input_bytes, limit / 4096) * 4096;
   }
 
  private:
   using StepKind = GraphStep::Kind;
   using Step = GraphStep;
+
+  /// The bytes of the storages a run's values hold, each storage counted once however many
+  /// values view it.
+  class LiveBytes {
+   public:
+    void add(const c10::IValue& value) { visit(value, +1); }
+    void remove(const c10::IValue& value) { visit(value, -1); }
+    int64_t bytes() const { return bytes_; }
+
+   private:
+    void visit(const c10::IValue& value, int sign) {
+      if (value.isTensor()) return count(value.toTensor(), sign);
+      if (value.isTensorList()) {
+        for (const auto& tensor : value.toTensorVector()) count(tensor, sign);
+      }
+    }
+    void count(const torch::Tensor& tensor, int sign) {
+      if (!tensor.defined() || !tensor.has_storage()) return;
+      const void* key = tensor.storage().unsafeGetStorageImpl();
+      if (sign > 0) {
+        auto& [bytes, users] = storages_[key];
+        if (users++ == 0) {
+          bytes = static_cast<int64_t>(tensor.storage().nbytes());
+          bytes_ += bytes;
+        }
+        return;
+      }
+      const auto found = storages_.find(key);  // a weight's or the input's slot released: never counted
+      if (found == storages_.end()) return;
+      if (--found->second.second == 0) {
+        bytes_ -= found->second.first;
+        storages_.erase(found);
+      }
+    }
+    std::unordered_map<const void*, std::pair<int64_t, int64_t>> storages_;  // storage -> (bytes, values using it)
+    int64_t bytes_ = 0;
+  };
 
   int define(const std::string& name) {
     if (!slots_.emplace(name, static_cast<int>(slot_count_)).second) {
@@ -169,19 +263,31 @@ class GraphProgram {
       if (step.arguments[0].kind != ArgumentRecipe::Kind::Value) throw refuse("does not take a tensor first");
       return step;
     }
-    const std::string refused = refused_operator_reason(space, op_name);
-    if (!refused.empty()) throw refuse(concat("calls ", full, ", which ", refused));
     const auto handle = c10::Dispatcher::singleton().findSchema({full, overload == "default" ? "" : overload});
+    const std::string never = detail::never_allowed_reason(space, op_name, overload);
+    if (!never.empty()) throw refuse(concat("calls ", escape_untrusted(full), ", which ", never));
     if (!handle) {
-      throw refuse(concat("calls ", full, ".", overload, ", which this libtorch (", TORCH_VERSION,
+      throw refuse(concat("calls ", escape_untrusted(full + "." + overload), ", which this libtorch (", TORCH_VERSION,
                           ") does not have; expected operators of the libtorch that trains it: export with the matching torch"));
     }
+    const std::string refused = refused_operator_reason(space, op_name, overload);
+    if (!refused.empty()) throw refuse(concat("calls ", full, ".", overload, ", which ", refused));
     step.op = *handle;
+    step.check = operator_argument_check(full + "." + overload);
+    // Factories: a fresh tensor (no alias of an input, not a view) of the `size` they are given.
+    const auto& returns = handle->schema().returns();
+    const bool fresh = returns.size() == 1 && returns[0].alias_info() == nullptr && op_name.find("view") == std::string::npos;
+    step.arange = op_name == "arange";
+    for (size_t a = 0; fresh && a < handle->schema().arguments().size(); ++a) {
+      const auto& argument = handle->schema().arguments()[a];
+      const auto element = detail::list_element(detail::without_optional(argument.type()));
+      if (argument.name() == "size" && element && detail::is_int_like(element)) step.size_argument = static_cast<int>(a);
+    }
     const auto& schema = handle->schema();
     std::map<std::string, const nlohmann::json*> given;
     for (const auto& input : *node.inputs) {
       const std::string& name = json_string(json_member(input, "name", where), where + " input name");
-      if (!given.emplace(name, &json_member(input, "arg", where)).second) throw refuse(concat("gives '", name, "' twice"));
+      if (!given.emplace(name, &json_member(input, "arg", where)).second) throw refuse(concat("gives '", escape_untrusted(name), "' twice"));
     }
     for (const auto& argument : schema.arguments()) {
       const auto found = given.find(argument.name());
@@ -194,7 +300,7 @@ class GraphProgram {
         throw refuse(concat("does not give the argument '", argument.name(), "', which ", full, " requires"));
       }
     }
-    if (!given.empty()) throw refuse(concat("gives the argument '", given.begin()->first, "', which ", full, " does not take"));
+    if (!given.empty()) throw refuse(concat("gives the argument '", escape_untrusted(given.begin()->first), "', which ", full, " does not take"));
     auto mode = eval_mode_switch(schema, step.arguments, op_name, buffers_, where);
     step.eval_arguments = std::move(mode.eval_arguments);
     step.skip_in_eval = mode.skip_in_eval;

@@ -8,6 +8,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/export_arguments.hpp>
+#include <trainloop/serialization/operator_checks.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/symbolic_ints.hpp>
 
@@ -15,7 +16,9 @@
 #include <torch/torch.h>
 
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -59,6 +62,36 @@ struct GraphStep {
   std::string node;                        ///< the node's name, for messages
   std::string target;                      ///< what the node calls, as the graph names it, for messages
   std::optional<c10::OperatorHandle> op;   ///< the operator, for Kind::Operator
+  OperatorArgumentCheck check = nullptr;   ///< what its kernel does not check itself (operator_checks.hpp), or null
+  int size_argument = -1;                  ///< a factory's `size` (int list) argument, whose product it allocates; -1: none
+  bool arange = false;                     ///< `arange`: allocates (end - start) / step elements
+
+  /// @brief The elements a factory step (`size` argument, `arange`) is about to allocate, from its
+  /// arguments; 0 for other steps. Saturates at INT64_MAX.
+  int64_t elements_to_allocate(const std::vector<c10::IValue>& stack) const {
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    if (size_argument >= 0 && static_cast<size_t>(size_argument) < stack.size() && stack[size_argument].isIntList()) {
+      int64_t product = 1;
+      for (const int64_t size : stack[size_argument].toIntVector()) {
+        if (size < 0) return 0;  // the kernel refuses it
+        if (size != 0 && product > kMax / size) return kMax;
+        product *= size;
+      }
+      return product;
+    }
+    if (!arange) return 0;
+    std::vector<double> numbers;  // [start,] end [, step]: the leading numeric arguments
+    for (const auto& value : stack) {
+      if (!value.isInt() && !value.isDouble()) break;
+      numbers.push_back(value.isInt() ? static_cast<double>(value.toInt()) : value.toDouble());
+    }
+    if (numbers.empty()) return 0;
+    const double start = numbers.size() >= 2 ? numbers[0] : 0.0, end = numbers.size() >= 2 ? numbers[1] : numbers[0];
+    const double step = numbers.size() >= 3 ? numbers[2] : 1.0;
+    if (step == 0.0) return 0;
+    const double count = std::ceil((end - start) / step);
+    return count <= 0.0 ? 0 : count >= 9.0e18 ? kMax : static_cast<int64_t>(count);
+  }
   std::string arithmetic;                  ///< for IntArithmetic: "mul", "add", ...
   std::vector<ArgumentRecipe> arguments;   ///< how each argument is made when the step runs, in order
   std::vector<std::pair<size_t, c10::IValue>> eval_arguments;  ///< (argument index, value) replaced in eval mode
@@ -71,10 +104,17 @@ struct GraphStep {
   /// @param program the program, named in the context of an operator's error
   void call(std::vector<c10::IValue>& stack, const std::string& program) const {
     if (kind == Kind::Operator) {
+      if (check != nullptr) {
+        try {
+          check(stack);
+        } catch (const CheckpointError& error) {
+          throw CheckpointError(trainloop::detail::concat("trainloop: ", program, " node ", quote_untrusted(node), ": ", error.what()));
+        }
+      }
       try {
         op->callBoxed(stack);
       } catch (c10::Error& error) {
-        error.add_context(trainloop::detail::concat("trainloop: while running node ", node, " (", target, ") of ", program));
+        error.add_context(trainloop::detail::concat("trainloop: while running node ", quote_untrusted(node), " (", quote_untrusted(target), ") of ", program));
         throw;
       }
       return;

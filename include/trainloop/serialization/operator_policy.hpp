@@ -1,52 +1,111 @@
 #pragma once
 /// @file
-/// @brief Which registered operators an exported program from a stranger may call. Being in the
-/// dispatcher is not enough: a few ATen operators reach outside the tensor's bytes by design —
-/// `aten.from_file` maps a file (a node with `shared=True` writes into it), `aten._reshape_alias`
-/// makes a view without checking it against its storage (a read or write past it), `set_` and
-/// `resize_` rebind or regrow a tensor's storage. So:
+/// @brief Which operators a program from a file may run: a positive allow-list.
 ///
-/// - public ATen names (no leading underscore) are allowed, but for the storage-rebinding and
-///   file-reading ones listed here;
-/// - private names (a leading underscore) only when torch.export's graphs use them and they check
-///   their arguments as the public ones do (batch norm's and softmax's implementations, `_to_copy`,
-///   `_unsafe_view` — unsafe only for autograd's aliasing, it checks the sizes —, the attention
-///   kernels, the assertions);
-/// - prims the same way as public ATen names (libtorch registers few of them in C++).
+/// Being in libtorch's dispatcher is not enough: public ATen kernels trust their inputs more than a
+/// stranger's graph deserves. An outside test (issue 50) drove them out of bounds from a .pt2:
+/// `embedding_dense_backward` with indices out of range (SIGSEGV, heap corruption),
+/// `segment_reduce(unsafe=True)`, `sparse_coo_tensor` + `to_dense`, pooling backwards with crafted
+/// indices, `_scaled_dot_product_flash_attention_for_cpu` with mismatched batches; `.out` variants
+/// resized a parameter around the `resize_` ban. So a program runs only operators on this list:
 ///
-/// An operator refused here is a CheckpointError at load naming the node and this reason.
+/// - **the list** (exported_operators.hpp) is every operator.overload that torch.export's training
+///   IR emits, in train and in eval mode, for timm's four families, torchvision's classifiers,
+///   trainloop's zoo as Python spells it and transformer blocks — derived by
+///   scripts/derive-operator-allowlist.py, which says which models and how;
+/// - an operator on it whose kernel trusts an argument (an index, a shape another argument must
+///   match) has that argument checked before it runs (operator_checks.hpp);
+/// - never, whatever a user adds: backward kernels (`*_backward*`), sparse operators, `.out`
+///   variants (they resize their `out` argument), anything taking `unsafe`, and the storage and file
+///   operators (`from_file`, `set_`, `resize_`, `_reshape_alias`, ...);
+/// - a user who trusts a program's author more may add an operator: allow_exported_operator().
+///
+/// An operator refused here is a CheckpointError at load naming the node, the operator and why.
 
+#include <trainloop/error.hpp>
+#include <trainloop/serialization/exported_operators.hpp>
+
+#include <mutex>
 #include <set>
 #include <string>
 
 namespace trainloop::serialization {
 
-/// @brief Why `space::name` may not be called from a file, or "" when it may.
-inline std::string refused_operator_reason(const std::string& space, const std::string& name) {
+namespace detail {
+
+/// Why `space::name.overload` may never run from a file, whatever is allowed, or "".
+inline std::string never_allowed_reason(const std::string& space, const std::string& name, const std::string& overload) {
   static const std::set<std::string> storage_or_files = {
       "from_file",   "set_",          "set",           "resize_",         "resize_as_",   "resize_as_sparse_",
       "sparse_resize_", "sparse_resize_and_clear_", "as_strided_", "record_stream", "set_data", "share_memory_",
       "_reshape_alias", "_copy_from", "_copy_from_and_resize", "_resize_output_", "_set_storage_offset"};
-  static const std::set<std::string> private_allowed = {
-      "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
-      "_to_copy", "_unsafe_view", "_log_softmax", "_softmax", "_safe_softmax", "_masked_softmax",
-      "_log_softmax_backward_data", "_softmax_backward_data", "_assert_scalar", "_assert_tensor_metadata",
-      "_assert_async", "_functional_assert_scalar", "_local_scalar_dense", "_unsafe_index", "_unsafe_index_put",
-      "_unsafe_masked_index", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-      "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention", "_adaptive_avg_pool2d",
-      "_adaptive_avg_pool3d", "_reshape_copy", "_weight_norm_interface", "_pdist_forward", "_cdist_forward",
-      "_embedding_bag", "_prelu_kernel", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
-      "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_convolution",
-      "_conv_depthwise2d", "_fused_moving_avg_obs_fq_helper"};
   if (storage_or_files.count(name)) {
     return "reads a file or rebinds a tensor's storage, which no exported model needs and a file from a stranger "
            "must not do";
   }
-  if (!name.empty() && name.front() == '_' && !private_allowed.count(name)) {
-    return "is a private " + space + " operator that torch.export's training graphs do not use (private operators "
-           "may skip the checks of public ones); expected public ATen operators";
+  if (name.find("_backward") != std::string::npos) {
+    return "is a backward kernel, which trusts the indices and shapes its forward made (autograd runs the backward "
+           "of what the program computes; the program itself never needs one)";
   }
+  if (name.find("sparse") != std::string::npos) return "makes or reads a sparse tensor, whose indices its kernels trust";
+  const auto ends_with = [&](const std::string& suffix) {
+    return overload.size() >= suffix.size() && overload.compare(overload.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("out") || ends_with("_out") || overload == "grad_input") {
+    return "is an .out variant, which resizes the tensor it is given to write into (a parameter, a buffer)";
+  }
+  if (space == "aten" && (name == "segment_reduce" || name == "_segment_reduce")) return "takes unsafe=True, which skips its checks";
   return {};
+}
+
+/// The operators allowed beyond the derived list (allow_exported_operator), and their lock.
+struct AddedOperators {
+  std::mutex mutex;              ///< guards `names`
+  std::set<std::string> names;   ///< "aten::name.overload"
+};
+inline AddedOperators& added_operators() {
+  static AddedOperators added;
+  return added;
+}
+
+}  // namespace detail
+
+/// @brief Lets programs loaded from now on run `qualified` ("aten::name.overload", overload
+/// "default" for none), beyond the list torch.export's graphs of real models were found to use.
+/// Allowing an operator means trusting its kernel with a stranger's arguments: add only what the
+/// programs you load need, and only from authors you trust.
+/// @throws trainloop::ConfigurationError when `qualified` is not namespace::name.overload, or is
+///         never allowed (a backward, sparse, .out or storage operator: operator_policy.hpp).
+inline void allow_exported_operator(const std::string& qualified) {
+  const auto colons = qualified.find("::");
+  const auto dot = qualified.rfind('.');
+  TRAINLOOP_CHECK(colons != std::string::npos && dot != std::string::npos && dot > colons + 2 && dot + 1 < qualified.size(),
+                  "operator '", qualified, "' is not namespace::name.overload; expected e.g. \"aten::cumsum.default\"");
+  const std::string space = qualified.substr(0, colons), name = qualified.substr(colons + 2, dot - colons - 2),
+                    overload = qualified.substr(dot + 1);
+  const std::string never = detail::never_allowed_reason(space, name, overload);
+  TRAINLOOP_CHECK(never.empty(), "operator '", qualified, "' ", never, "; expected an operator whose kernel checks its arguments");
+  auto& added = detail::added_operators();
+  std::lock_guard<std::mutex> lock(added.mutex);
+  added.names.insert(qualified);
+}
+
+/// @brief Why `space::name.overload` (overload "default" for none) may not run from a file, or ""
+/// when it may.
+inline std::string refused_operator_reason(const std::string& space, const std::string& name, const std::string& overload) {
+  const std::string never = detail::never_allowed_reason(space, name, overload);
+  if (!never.empty()) return never;
+  const std::string qualified = space + "::" + name + "." + overload;
+  if (exported_operators().count(qualified)) return {};
+  {
+    auto& added = detail::added_operators();
+    std::lock_guard<std::mutex> lock(added.mutex);
+    if (added.names.count(qualified)) return {};
+  }
+  return "is not on the list of operators a program from a file may run (those torch.export emits for timm's, "
+         "torchvision's and the zoo's models and transformer blocks: serialization/exported_operators.hpp); if you "
+         "trust the program's author, allow it before loading: "
+         "trainloop::serialization::allow_exported_operator(\"" + qualified + "\")";
 }
 
 }  // namespace trainloop::serialization

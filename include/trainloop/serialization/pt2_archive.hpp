@@ -156,7 +156,7 @@ class Pt2Archive {
 
   /// @brief Record `name` parsed as JSON within the limits.
   nlohmann::json read_json(const std::string& name) const {
-    return parse_untrusted_json(read(name, limits_.json_bytes), path_.string() + "'s " + name, limits_.json_depth);
+    return parse_untrusted_json(read(name, limits_.json_bytes), path_.string() + "'s " + quote_untrusted(name), limits_.json_depth);
   }
 
   /// @brief The tensors a weights or constants config describes (`config_name` is
@@ -168,11 +168,11 @@ class Pt2Archive {
     std::vector<Pt2Payload> payloads;
     if (!has(config_name)) return payloads;
     const nlohmann::json document = read_json(config_name);
-    const auto& config = json_member(document, "config", path_.string() + "'s " + config_name);
-    if (!config.is_object()) throw detail::pt2_error(path_, config_name + "'s config is not a JSON object");
+    const auto& config = json_member(document, "config", path_.string() + "'s " + quote_untrusted(config_name));
+    if (!config.is_object()) throw detail::pt2_error(path_, quote_untrusted(config_name) + "'s config is not a JSON object");
     std::map<std::string, torch::Tensor> storages;  // file -> its bytes, read once
     for (const auto& [name, entry] : config.items()) {
-      const std::string where = path_.string() + "'s " + config_name + " entry " + quote_untrusted(name);
+      const std::string where = path_.string() + "'s " + quote_untrusted(config_name) + " entry " + quote_untrusted(name);
       if (entry.contains("use_pickle") && entry["use_pickle"].is_boolean() && entry["use_pickle"].get<bool>()) {
         throw CheckpointError(trainloop::detail::concat(
             "trainloop: ", where, " is a pickled tensor (a tensor subclass torch.save wrote); expected plain tensors "
@@ -190,7 +190,7 @@ class Pt2Archive {
       auto& storage = storages[payload.file];
       if (!storage.defined()) {
         if (!has(payload.file)) {
-          throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " names the file ", payload.file,
+          throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " names the file ", quote_untrusted(payload.file),
                                                           ", which the archive does not have; expected every file its ",
                                                           "weights config names"));
         }
@@ -284,7 +284,7 @@ class Pt2Archive {
       for (const auto& item : list) {
         auto [kind, value] = json_union(item, where + " " + key);
         if (kind != "as_int") {
-          throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " ", key, " has a ", kind,
+          throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " ", key, " has a ", quote_untrusted(kind),
                                                           "; expected concrete sizes (as_int) for a stored tensor"));
         }
         out.push_back(json_int(*value, where + " " + key));
@@ -299,7 +299,7 @@ class Pt2Archive {
     int64_t offset = 0;
     if (meta.contains("storage_offset")) {
       auto [kind, value] = json_union(meta["storage_offset"], where + " storage_offset");
-      if (kind != "as_int") throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " storage_offset is ", kind, "; expected as_int"));
+      if (kind != "as_int") throw CheckpointError(trainloop::detail::concat("trainloop: ", where, " storage_offset is ", quote_untrusted(kind), "; expected as_int"));
       offset = json_int(*value, where + " storage_offset");
     }
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));

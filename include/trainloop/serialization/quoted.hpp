@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 
@@ -56,6 +57,13 @@ inline std::string escape_untrusted(std::string_view text, size_t max_bytes = kQ
 /// @brief escape_untrusted(text) in double quotes: how a message names something a file holds.
 inline std::string quote_untrusted(std::string_view text, size_t max_bytes = kQuotedBytes) {
   return "\"" + detail::escape_bytes(text.substr(0, max_bytes)) + "\"" + detail::cut_note(text, max_bytes);
+}
+
+/// @brief `path` for a message when its file name came from a file (a shard an index names, a
+/// DCP item's file): the directory as it is (the caller's), the name escaped and cut as
+/// escape_untrusted() does, so an ordinary name reads as it is.
+inline std::string untrusted_file_path(const std::filesystem::path& path) {
+  return (path.parent_path() / escape_untrusted(path.filename().string())).string();
 }
 
 }  // namespace trainloop::serialization

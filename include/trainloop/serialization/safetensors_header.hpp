@@ -12,6 +12,7 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/json_sax_reader.hpp>
 #include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
@@ -181,6 +182,70 @@ inline SafetensorsEntry parse_entry(const std::string& name, const nlohmann::jso
   return entry;
 }
 
+/// @brief Reads a header's JSON as it is parsed into the entries and the metadata
+/// (json_sax_reader.hpp says why not a DOM): one tensor's object at a time is held as JSON and
+/// checked by parse_entry() as it closes.
+class SafetensorsHeaderReader final : public JsonSaxReader {
+ public:
+  /// @param data_bytes the bytes after the header
+  /// @param file the file, for messages
+  SafetensorsHeaderReader(uint64_t data_bytes, const std::string& file) : data_bytes_(data_bytes), file_(file) {}
+
+  /// The entries (in the header's order) and the metadata read.
+  SafetensorsHeader take() { return std::move(header_); }
+
+ private:
+  /// Where the parser is, outside a held value.
+  enum class Place { Top, Root, Metadata, Done };
+  /// safetensors writes one key ("format"); a bound keeps the metadata's memory near the header's size.
+  static constexpr size_t kMaxMetadataKeys = 65536;
+
+  bool enter_object() override {
+    if (place_ == Place::Top) {
+      place_ = Place::Root;
+      return true;
+    }
+    if (place_ == Place::Root && key_ == "__metadata__") {
+      place_ = Place::Metadata;
+      return true;
+    }
+    return false;  // a tensor's object: held whole, then parse_entry
+  }
+  void leave_object() override { place_ = place_ == Place::Metadata ? Place::Root : Place::Done; }
+  void on_key(std::string key) override { (place_ == Place::Metadata ? metadata_key_ : key_) = std::move(key); }
+  void on_string(std::string& value) override {
+    if (place_ != Place::Metadata) return on_value(nlohmann::json(std::move(value)));
+    if (++metadata_keys_ > kMaxMetadataKeys) {
+      throw safetensors_error(file_, trainloop::detail::concat("has more than ", kMaxMetadataKeys,
+                                                               " __metadata__ keys; expected a few (safetensors writes \"format\")"));
+    }
+    header_.metadata[metadata_key_] = std::move(value);
+  }
+  void on_value(const nlohmann::json& value) override {
+    if (place_ == Place::Top) {
+      throw safetensors_error(file_, std::string("has a header that is JSON ") + value.type_name() +
+                                         "; expected a JSON object of tensors");
+    }
+    if (place_ == Place::Metadata) {
+      throw safetensors_error(file_, "has __metadata__ " + quote_untrusted(metadata_key_) + " = " +
+                                         escape_untrusted(value.dump(), 80) + "; expected a string");
+    }
+    if (key_ == "__metadata__") {
+      throw safetensors_error(file_, std::string("has __metadata__ as JSON ") + value.type_name() +
+                                         "; expected an object of strings");
+    }
+    header_.entries.push_back(parse_entry(key_, value, data_bytes_, file_));
+  }
+
+  uint64_t data_bytes_;
+  const std::string& file_;
+  SafetensorsHeader header_;
+  Place place_ = Place::Top;
+  std::string key_;           // the root's key being read: a tensor's name, or __metadata__
+  std::string metadata_key_;  // the metadata's key being read
+  size_t metadata_keys_ = 0;
+};
+
 }  // namespace detail
 
 /// @brief Parses and checks the JSON header of a safetensors file.
@@ -198,34 +263,19 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view json, uint64_
     throw detail::safetensors_error(file, trainloop::detail::concat("has a header nesting JSON ", depth,
                                                                     " levels deep; expected at most ", kMaxDepth));
   }
-  nlohmann::json document;
-  try {
-    document = nlohmann::json::parse(json.begin(), json.end());
-  } catch (const nlohmann::json::exception& error) {
-    throw detail::safetensors_error(file, "has a header that is not JSON (" + escape_untrusted(error.what()) +
+  detail::SafetensorsHeaderReader reader(data_bytes, file);
+  if (!nlohmann::json::sax_parse(json.begin(), json.end(), &reader)) {
+    throw detail::safetensors_error(file, "has a header that is not JSON (" + escape_untrusted(reader.parse_failure()) +
                                               "); expected a JSON object of tensors");
   }
-  if (!document.is_object()) {
-    throw detail::safetensors_error(file, std::string("has a header that is JSON ") + document.type_name() +
-                                              "; expected a JSON object of tensors");
-  }
-  SafetensorsHeader header;
-  for (const auto& [name, info] : document.items()) {
-    if (name != "__metadata__") {
-      header.entries.push_back(detail::parse_entry(name, info, data_bytes, file));
-      continue;
-    }
-    if (!info.is_object()) {
-      throw detail::safetensors_error(file, std::string("has __metadata__ as JSON ") + info.type_name() +
-                                                "; expected an object of strings");
-    }
-    for (const auto& [key, value] : info.items()) {
-      if (!value.is_string()) {
-        throw detail::safetensors_error(file, "has __metadata__ " + quote_untrusted(key) + " = " +
-                                                  escape_untrusted(value.dump(), 80) + "; expected a string");
-      }
-      header.metadata[key] = value.get<std::string>();
-    }
+  SafetensorsHeader header = reader.take();
+  // Each name once (a JSON object may repeat a key; a DOM kept the last silently).
+  std::vector<std::string_view> names;
+  names.reserve(header.entries.size());
+  for (const auto& entry : header.entries) names.push_back(entry.name);
+  std::sort(names.begin(), names.end());
+  if (const auto twice = std::adjacent_find(names.begin(), names.end()); twice != names.end()) {
+    throw detail::safetensors_error(file, "has tensor " + quote_untrusted(*twice) + " twice; expected each name once");
   }
   // The file's order; empty tensors (begin == end) first at their offset.
   std::sort(header.entries.begin(), header.entries.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {

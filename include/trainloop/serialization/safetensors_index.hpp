@@ -10,6 +10,7 @@
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/json_sax_reader.hpp>
 #include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/regular_file.hpp>
@@ -214,27 +215,72 @@ class SafetensorsSource {
     if (json_depth_beyond(text, 3) != 0) {  // linear time: nesting_depth.hpp says why
       throw index_error(path, "nests JSON deeper than 3 levels; expected {\"weight_map\": {name: file}}");
     }
-    nlohmann::json document;
-    try {
-      document = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& error) {
-      throw index_error(path, "is not JSON (" + escape_untrusted(error.what()) + "); expected {\"weight_map\": {name: file}}");
+    IndexReader reader(path);
+    if (!nlohmann::json::sax_parse(text.begin(), text.end(), &reader)) {
+      throw index_error(path, "is not JSON (" + escape_untrusted(reader.parse_failure()) + "); expected {\"weight_map\": {name: file}}");
     }
-    if (!document.is_object() || !document.contains("weight_map") || !document["weight_map"].is_object()) {
-      throw index_error(path, "has no weight_map object; expected {\"weight_map\": {name: file}}");
+    return reader.take();
+  }
+
+  /// Reads the index as it is parsed (json_sax_reader.hpp says why not a DOM): the weight_map's
+  /// strings straight into the map, "metadata" and anything else skipped unheld.
+  class IndexReader final : public JsonSaxReader {
+   public:
+    explicit IndexReader(const std::filesystem::path& path) : path_(path) {}
+    /// The weight_map read; throws when the document had none.
+    std::map<std::string, std::string> take() {
+      if (!has_map_) throw index_error(path_, "has no weight_map object; expected {\"weight_map\": {name: file}}");
+      return std::move(map_);
     }
-    std::map<std::string, std::string> map;
-    for (const auto& [name, file] : document["weight_map"].items()) {
-      const std::string shard = file.is_string() ? file.get<std::string>() : std::string();
+
+   private:
+    enum class Place { Top, Root, Map, Done };
+    /// Bounds the map's memory (~100 bytes an entry, whatever the names' length) at ~100 MB.
+    static constexpr size_t kMaxIndexEntries = 1000000;
+    bool enter_object() override {
+      if (place_ == Place::Top) {
+        place_ = Place::Root;
+        return true;
+      }
+      if (place_ == Place::Root && key_ == "weight_map") {
+        place_ = Place::Map;
+        has_map_ = true;
+        return true;
+      }
+      return false;
+    }
+    void leave_object() override { place_ = place_ == Place::Map ? Place::Root : Place::Done; }
+    void on_key(std::string key) override { key_ = std::move(key); }
+    // Only the weight_map's values are wanted: anything else under the root ("metadata") is skipped.
+    bool skip_value() const override { return place_ == Place::Root && key_ != "weight_map"; }
+    void on_string(std::string& shard) override {
+      if (place_ != Place::Map) return on_value(nlohmann::json(std::move(shard)));
       if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
           shard.find('\0') != std::string::npos) {
-        throw index_error(path, "maps tensor " + quote_untrusted(name) + " to " + detail::json_text(file) +
-                                    "; expected a file name in the index's directory");
+        return on_value(nlohmann::json(std::move(shard)));
       }
-      map[name] = shard;
+      if (map_.size() >= kMaxIndexEntries && !map_.count(key_)) {
+        throw index_error(path_, trainloop::detail::concat("maps more than ", kMaxIndexEntries, " tensors; expected a model's ",
+                                                          "tensors (the largest models have a few thousand)"));
+      }
+      map_[key_] = std::move(shard);
     }
-    return map;
-  }
+    void on_value(const nlohmann::json& value) override {
+      if (place_ == Place::Top || (place_ == Place::Root && key_ == "weight_map")) {
+        throw index_error(path_, "has no weight_map object; expected {\"weight_map\": {name: file}}");
+      }
+      if (place_ == Place::Map) {
+        throw index_error(path_, "maps tensor " + quote_untrusted(key_) + " to " + detail::json_text(value) +
+                                     "; expected a file name in the index's directory");
+      }
+    }
+
+    const std::filesystem::path& path_;
+    Place place_ = Place::Top;
+    std::string key_;
+    bool has_map_ = false;
+    std::map<std::string, std::string> map_;
+  };
 
   void add(size_t file, size_t entry) {
     const auto& found = files_[file].entries()[entry];

@@ -44,11 +44,11 @@ class SafetensorsFile {
   explicit SafetensorsFile(const std::filesystem::path& path) : path_(path) {
     std::string problem;
     RegularFile file = open_regular_file(path, problem);  // a FIFO or a device is refused, not waited on
-    if (!file.fd) throw detail::safetensors_error(path_.string(), problem + "; expected a .safetensors file");
+    if (!file.fd) throw detail::safetensors_error(untrusted_file_path(path_), problem + "; expected a .safetensors file");
     fd_ = file.fd;
     const uint64_t size = file.size;
     if (size < 8) {
-      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("is ", size, " bytes long; expected at least 8 ",
+      throw detail::safetensors_error(untrusted_file_path(path_), trainloop::detail::concat("is ", size, " bytes long; expected at least 8 ",
                                                                                 "(the header's length)"));
     }
     unsigned char length_bytes[8];
@@ -58,18 +58,18 @@ class SafetensorsFile {
     // The length is not printed: a file that is no safetensors file (a link a stranger's index
     // points elsewhere) would show its first 8 bytes in the message.
     if (header_bytes > kSafetensorsMaxHeaderBytes) {
-      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has a header length (its first 8 bytes) over the limit of ",
+      throw detail::safetensors_error(untrusted_file_path(path_), trainloop::detail::concat("has a header length (its first 8 bytes) over the limit of ",
                                                                                 kSafetensorsMaxHeaderBytes,
                                                                                 " bytes (100 MB); expected a .safetensors file"));
     }
     if (header_bytes > size - 8) {
-      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has a header length (its first 8 bytes) beyond the ",
+      throw detail::safetensors_error(untrusted_file_path(path_), trainloop::detail::concat("has a header length (its first 8 bytes) beyond the ",
                                                                                 size - 8, " bytes after it; expected a .safetensors file"));
     }
     std::string json(header_bytes, '\0');
     read_bytes(8, json.data(), header_bytes, "the header");
     data_start_ = 8 + header_bytes;
-    header_ = parse_safetensors_header(json, size - data_start_, path_.string());
+    header_ = parse_safetensors_header(json, size - data_start_, untrusted_file_path(path_));
     for (size_t i = 0; i < header_.entries.size(); ++i) index_[header_.entries[i].name] = i;
   }
 
@@ -87,7 +87,7 @@ class SafetensorsFile {
   const SafetensorsEntry& entry(const std::string& name) const {
     const auto found = index_.find(name);
     if (found == index_.end()) {
-      throw detail::safetensors_error(path_.string(), "has no tensor " + quote_untrusted(name) + "; expected one");
+      throw detail::safetensors_error(untrusted_file_path(path_), "has no tensor " + quote_untrusted(name) + "; expected one");
     }
     return header_.entries[found->second];
   }
@@ -112,7 +112,7 @@ class SafetensorsFile {
   torch::Tensor read_flat(const SafetensorsEntry& found, int64_t begin, int64_t end) const {
     const int64_t numel = found.numel();
     if (begin < 0 || end < begin || end > numel) {
-      throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has tensor ", quote_untrusted(found.name), " of ",
+      throw detail::safetensors_error(untrusted_file_path(path_), trainloop::detail::concat("has tensor ", quote_untrusted(found.name), " of ",
                                                                                 numel, " elements; the range [", begin, ", ",
                                                                                 end, ") asked of it is outside; expected ",
                                                                                 "0 <= begin <= end <= ", numel));
@@ -127,7 +127,7 @@ class SafetensorsFile {
       // A bool byte other than 0 or 1 is undefined behaviour in libtorch's kernels.
       const auto bad = first_invalid_bool_byte(tensor.data_ptr(), static_cast<std::size_t>(bytes));
       if (bad != bytes) {
-        throw detail::safetensors_error(path_.string(), trainloop::detail::concat("has BOOL tensor ", quote_untrusted(found.name),
+        throw detail::safetensors_error(untrusted_file_path(path_), trainloop::detail::concat("has BOOL tensor ", quote_untrusted(found.name),
                                                                                   " holding byte ", int(static_cast<const unsigned char*>(tensor.data_ptr())[bad]),
                                                                                   " at element ", begin + static_cast<int64_t>(bad), "; expected 0 or 1"));
       }
@@ -138,7 +138,7 @@ class SafetensorsFile {
   void read_bytes(uint64_t offset, void* into, uint64_t count, const std::string& what) const {
     std::string problem;
     if (!read_exactly(*fd_, offset, into, count, problem)) {
-      throw detail::safetensors_error(path_.string(), "could not be read at " + what + " (" + problem +
+      throw detail::safetensors_error(untrusted_file_path(path_), "could not be read at " + what + " (" + problem +
                                                           "); expected a file that does not change while it is read");
     }
   }

@@ -91,7 +91,7 @@ inline ArgumentRecipe plain_argument_recipe(const nlohmann::json& input, const s
   } else if (kind == "as_sym_int" || kind == "as_sym_bool") {
     const auto symbolic = json_union(value, where);
     if (symbolic.first == "as_name") {
-      recipe.kind = ArgumentRecipe::Kind::Value;
+      recipe.kind = ArgumentRecipe::Kind::SymbolicValue;
       recipe.slot = slot_of(json_string(*symbolic.second, where));
     } else if (symbolic.first == "as_bool" && symbolic.second->is_boolean()) {
       recipe.constant = symbolic.second->get<bool>();

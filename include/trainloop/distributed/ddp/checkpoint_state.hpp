@@ -13,10 +13,17 @@
 #include <trainloop/distributed/ddp/gradient_comm_hook.hpp>
 #include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
 #include <trainloop/optim/optimizer_state.hpp>
+#include <trainloop/serialization/torch_archive.hpp>
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,6 +31,43 @@
 namespace trainloop::distributed {
 
 namespace detail {
+
+/// The comm hook's state is an archive stored as bytes inside the checkpoint, whoever wrote the
+/// file, and libtorch's reader compiles an archive's code (a crafted one crashed its parser):
+/// checked as the checkpoint itself was (serialization/torch_archive.hpp), through a temporary
+/// file, before libtorch reads it.
+/// @throws trainloop::CheckpointError when the bytes are not an archive of plain values.
+inline void check_hook_state_runs_no_code(const torch::Tensor& bytes) {
+  std::string path = (std::filesystem::temp_directory_path() / "trainloop-hook-state-XXXXXX").string();
+  const int fd = ::mkstemp(path.data());
+  if (fd < 0) {
+    throw CheckpointError(::trainloop::detail::concat("trainloop: cannot create ", path, " to check the comm hook's state in ",
+                                                      "the checkpoint (", std::strerror(errno), "); expected a writable ",
+                                                      std::filesystem::temp_directory_path().string()));
+  }
+  struct Removed {
+    std::string path;
+    ~Removed() { ::unlink(path.c_str()); }
+  } removed{path};
+  const auto* data = reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>());
+  size_t left = static_cast<size_t>(bytes.numel());
+  while (left > 0) {
+    const ssize_t written = ::write(fd, data, left);
+    if (written <= 0) {
+      if (written < 0 && errno == EINTR) continue;
+      ::close(fd);
+      throw CheckpointError(::trainloop::detail::concat("trainloop: cannot write ", path, " to check the comm hook's state (",
+                                                        std::strerror(errno), "); expected free space there"));
+    }
+    data += written;
+    left -= static_cast<size_t>(written);
+  }
+  ::close(fd);
+  serialization::TorchArchive(path, "expected the comm hook state trainloop writes",
+                              "the comm hook state of the checkpoint being resumed, copied to ")
+      .check_runs_no_code();
+}
+
 /// `hook`'s state on this rank (GradientCommHook::save_state), serialized, as bytes.
 inline torch::Tensor comm_hook_state_bytes(const GradientCommHook& hook) {
   torch::serialize::OutputArchive state;
@@ -89,6 +133,7 @@ inline void load_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* ze
     return;
   }
   bytes = bytes.to(torch::kCPU).contiguous();  // the checkpoint reader put it on the model's device
+  detail::check_hook_state_runs_no_code(bytes);
   torch::serialize::InputArchive state;
   state.load_from(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()), static_cast<std::size_t>(bytes.numel()),
                   device);

@@ -194,11 +194,21 @@ inline void order_by_first_failure(const std::string& run_dir, std::vector<const
 }
 
 /// Keeps the failed rank's complete error text (with backtrace) after the run directory is
-/// removed: copied into `keep_dir` as trainloop-error-rank\<N\>-XXXXXX.txt. "" when there is none.
-inline std::string keep_full_error(const std::string& run_dir, int rank, const std::filesystem::path& keep_dir) {
+/// removed: copied into `keep_dir` as trainloop-error-rank\<N\>-XXXXXX.txt. "" when there is none,
+/// or when it says no more than `message`, which the launcher's error already holds (a stall's
+/// verdict, an exception without backtrace or cause): a file kept for nothing was left behind by
+/// every stall (issue 50).
+inline std::string keep_full_error(const std::string& run_dir, int rank, const std::filesystem::path& keep_dir,
+                                   const std::string& message) {
   const auto source = rank_full_error_path(run_dir, rank);
   std::error_code error;
   if (!std::filesystem::exists(source, error)) return {};
+  {
+    std::ifstream in(source, std::ios::binary);
+    std::string full((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    while (!full.empty() && (full.back() == '\n' || full.back() == ' ')) full.pop_back();
+    if (full.empty() || full == message) return {};
+  }
   std::string pattern = (keep_dir / ("trainloop-error-rank" + std::to_string(rank) + "-XXXXXX.txt")).string();
   const int fd = ::mkstemps(pattern.data(), 4);
   if (fd < 0) return {};
@@ -221,7 +231,7 @@ inline RankFailedError rank_failure_error(const std::string& run_dir, const Fail
   details.rank_error = report.message;
   details.error_type = report.type;
   details.full_error_file = keep_full_error(
-      run_dir, first.rank, options.error_file_dir.empty() ? temporary_root() : options.error_file_dir);
+      run_dir, first.rank, options.error_file_dir.empty() ? temporary_root() : options.error_file_dir, report.message);
 
   std::ostringstream message;
   message << "trainloop: rank " << first.rank << " failed: ";

@@ -41,7 +41,7 @@ class ReadOnlyFile {
   explicit ReadOnlyFile(std::filesystem::path path) : path_(std::move(path)) {
     fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: cannot open the DCP data file ", path_.string(), " (",
+      throw CheckpointError(trainloop::detail::concat("trainloop: cannot open the DCP data file ", untrusted_file_path(path_), " (",
                                                       std::strerror(errno), "); expected a readable file"));
     }
   }
@@ -60,7 +60,7 @@ class ReadOnlyFile {
       const ssize_t got = ::pread(fd_, at, count, static_cast<off_t>(offset));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) {
-        throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", path_.string(), " ends before byte ",
+        throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", untrusted_file_path(path_), " ends before byte ",
                                                         offset + count, " (", got < 0 ? std::strerror(errno) : "end of file",
                                                         "); expected a complete file"));
       }
@@ -200,7 +200,7 @@ class DistcpItem {
   }
 
   [[noreturn]] void fail(const std::string& what) const {
-    throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", file_.path().string(), "'s item at bytes ",
+    throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", untrusted_file_path(file_.path()), "'s item at bytes ",
                                                     offset_, "-", offset_ + length_, " ", what));
   }
 

@@ -49,7 +49,7 @@ class DistcpReader {
     const auto owner = owners_.find({chunk.relative_path, chunk.offset});
     if (owner == owners_.end()) {
       throw CheckpointError(trainloop::detail::concat("trainloop: the item at byte ", chunk.offset, " of ",
-                                                      (directory_ / chunk.relative_path).string(),
+                                                      untrusted_file_path(directory_ / chunk.relative_path),
                                                       " is no chunk of this DCP reader's metadata; expected one of its chunks"));
     }
     return read_chunk(*owner->second, chunk);
@@ -153,7 +153,7 @@ class DistcpReader {
       std::error_code error;
       const auto size = std::filesystem::file_size(file->path(), error);
       if (error) {
-        throw CheckpointError(trainloop::detail::concat("trainloop: cannot read the size of ", file->path().string(), " (", error.message(),
+        throw CheckpointError(trainloop::detail::concat("trainloop: cannot read the size of ", untrusted_file_path(file->path()), " (", error.message(),
                                                         "); expected a readable file"));
       }
       sizes_[relative_path] = size;
@@ -164,7 +164,7 @@ class DistcpReader {
   void check_range(const ReadOnlyFile& file, const std::string& fqn, int64_t offset, int64_t length) const {
     const uint64_t size = sizes_.at(file.path().filename().string());  // opened by open_file under this name
     if (offset < 0 || length < 0 || static_cast<uint64_t>(offset) > size || static_cast<uint64_t>(length) > size - static_cast<uint64_t>(offset)) {
-      throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", file.path().string(), " has ", size,
+      throw CheckpointError(trainloop::detail::concat("trainloop: the DCP data file ", untrusted_file_path(file.path()), " has ", size,
                                                       " bytes, but the item of ", escape_untrusted(fqn), " is at bytes ", offset, "-", offset + length,
                                                       "; expected every item inside its file (is the file truncated?)"));
     }

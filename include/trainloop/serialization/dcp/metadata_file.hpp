@@ -44,22 +44,35 @@ inline void check_items_in_files(const std::filesystem::path& directory, const M
       const auto path = directory / relative_path;
       std::error_code error;
       if (!std::filesystem::is_regular_file(path, error)) {
-        throw CheckpointError(concat("trainloop: the DCP data file ", path.string(), ", which ", (directory / kMetadataFileName).string(),
+        throw CheckpointError(concat("trainloop: the DCP data file ", untrusted_file_path(path), ", which ", (directory / kMetadataFileName).string(),
                                      " names for ", escape_untrusted(fqn), ", does not exist; expected every file of the checkpoint"));
       }
       const auto size = std::filesystem::file_size(path, error);
-      if (error) throw CheckpointError(concat("trainloop: cannot read the size of ", path.string(), " (", error.message(), "); expected a readable file"));
+      if (error) throw CheckpointError(concat("trainloop: cannot read the size of ", untrusted_file_path(path), " (", error.message(), "); expected a readable file"));
       found = sizes.emplace(relative_path, size).first;
     }
     if (offset < 0 || length < 0 || static_cast<uint64_t>(offset) > found->second ||
         static_cast<uint64_t>(length) > found->second - static_cast<uint64_t>(offset)) {
-      throw CheckpointError(concat("trainloop: the DCP data file ", (directory / relative_path).string(), " has ", found->second,
+      throw CheckpointError(concat("trainloop: the DCP data file ", untrusted_file_path(directory / relative_path), " has ", found->second,
                                    " bytes, but the item of ", escape_untrusted(fqn), " is at bytes ", offset, "-", offset + length,
                                    "; expected every item inside its file (is the file truncated?)"));
     }
   };
+  // Each chunk's item holds at least its box's bytes (and parse_metadata checked that the boxes
+  // cover the tensor): so nothing is allocated for a tensor whose data the files do not have (sizes
+  // of 2^40 elements were allocated before any data was read, the allocator's error naming no file).
   for (const auto& [fqn, entry] : metadata.tensors) {
-    for (const auto& chunk : entry.chunks) check(fqn, chunk.relative_path, chunk.offset, chunk.length);
+    const auto element = static_cast<int64_t>(c10::elementSize(entry.dtype));
+    for (const auto& chunk : entry.chunks) {
+      check(fqn, chunk.relative_path, chunk.offset, chunk.length);
+      const int64_t count = checked_numel(chunk.sizes);
+      if (count < 0 || count > chunk.length / element) {
+        throw CheckpointError(concat("trainloop: the item of ", escape_untrusted(fqn), " in ", untrusted_file_path(directory / chunk.relative_path),
+                                     " has ", chunk.length, " bytes, but its box of size ", c10::IntArrayRef(chunk.sizes), " of ",
+                                     entry.dtype, " needs ", count < 0 ? std::string("more than 2^63") : std::to_string(count * element),
+                                     "; expected an item that holds its box"));
+      }
+    }
   }
   for (const auto& [fqn, entry] : metadata.bytes) check(fqn, entry.relative_path, entry.offset, entry.length);
 }
