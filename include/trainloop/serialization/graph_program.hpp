@@ -21,6 +21,7 @@
 #include <trainloop/serialization/eval_mode_switch.hpp>
 #include <trainloop/serialization/exported_input_sizes.hpp>
 #include <trainloop/serialization/graph_step.hpp>
+#include <trainloop/serialization/live_bytes.hpp>
 #include <trainloop/serialization/operator_policy.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/symbolic_ints.hpp>
@@ -155,43 +156,6 @@ class GraphProgram {
  private:
   using StepKind = GraphStep::Kind;
   using Step = GraphStep;
-
-  /// The bytes of the storages a run's values hold, each storage counted once however many
-  /// values view it.
-  class LiveBytes {
-   public:
-    void add(const c10::IValue& value) { visit(value, +1); }
-    void remove(const c10::IValue& value) { visit(value, -1); }
-    int64_t bytes() const { return bytes_; }
-
-   private:
-    void visit(const c10::IValue& value, int sign) {
-      if (value.isTensor()) return count(value.toTensor(), sign);
-      if (value.isTensorList()) {
-        for (const auto& tensor : value.toTensorVector()) count(tensor, sign);
-      }
-    }
-    void count(const torch::Tensor& tensor, int sign) {
-      if (!tensor.defined() || !tensor.has_storage()) return;
-      const void* key = tensor.storage().unsafeGetStorageImpl();
-      if (sign > 0) {
-        auto& [bytes, users] = storages_[key];
-        if (users++ == 0) {
-          bytes = static_cast<int64_t>(tensor.storage().nbytes());
-          bytes_ += bytes;
-        }
-        return;
-      }
-      const auto found = storages_.find(key);  // a weight's or the input's slot released: never counted
-      if (found == storages_.end()) return;
-      if (--found->second.second == 0) {
-        bytes_ -= found->second.first;
-        storages_.erase(found);
-      }
-    }
-    std::unordered_map<const void*, std::pair<int64_t, int64_t>> storages_;  // storage -> (bytes, values using it)
-    int64_t bytes_ = 0;
-  };
 
   int define(const std::string& name) {
     if (!slots_.emplace(name, static_cast<int>(slot_count_)).second) {
