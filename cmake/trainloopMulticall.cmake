@@ -60,6 +60,9 @@ function(trainloop_add_multicall_program program)
   string(APPEND text "int main(int argc, char** argv) {\n"
     "  const char* slash = argc > 0 ? std::strrchr(argv[0], '/') : nullptr;\n"
     "  const std::string called = argc == 0 ? std::string() : slash ? std::string(slash + 1) : std::string(argv[0]);\n"
+    "#ifdef TRAINLOOP_PROGRAMS_BUILT_AT\n"
+    "  std::cerr << \"${program}: built at \" TRAINLOOP_PROGRAMS_BUILT_AT \" (TRAINLOOP_EXAMPLES_OPTIMIZATION), not at the build type's level: not a release's speed\\n\";\n"
+    "#endif\n"
     "${dispatch}"
     "  std::cerr << \"${program}: called as '\" << called << \"'; expected one of:${known} (links to this program)\\n\";\n"
     "  return 2;\n}\n")

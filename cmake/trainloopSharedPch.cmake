@@ -45,8 +45,11 @@ macro(trainloop_find_boost_test)
   # The Python of the venv this libtorch came from (pip torch: <venv>/lib/pythonX.Y/site-packages/
   # torch): the tests' reference (tests/python_reference.hpp), which must be the same release.
   get_filename_component(_trainloop_venv "${TORCH_INSTALL_PREFIX}/../../../.." ABSOLUTE)
+  # trainloop_torch_python: the same, for the tests that are scripts (their TRAINLOOP_PYTHON).
+  set(trainloop_torch_python "")
   if(TORCH_INSTALL_PREFIX AND EXISTS "${_trainloop_venv}/bin/python")
     target_compile_definitions(trainloop_boost_test INTERFACE TRAINLOOP_TORCH_PYTHON="${_trainloop_venv}/bin/python")
+    set(trainloop_torch_python "${_trainloop_venv}/bin/python")
   endif()
 endmacro()
 
@@ -63,6 +66,13 @@ function(trainloop_add_pch_target target)
   target_compile_definitions(${target} PRIVATE $<TARGET_PROPERTY:trainloop_boost_test,INTERFACE_COMPILE_DEFINITIONS>)
   target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Winvalid-pch>)
   target_precompile_headers(${target} PRIVATE ${ARGN})
+  # At the tests' level (most of its users; the top-level CMakeLists.txt says why GCC accepts it at
+  # the examples' -O3 too). The anchor's own object, which nothing links, costs what any program
+  # loading this PCH pays for the inline code its headers name: 61 s at -O3 (~17,000 functions
+  # instantiated and analysed, speculative devirtualization among the reasons), 27 s at -O1.
+  if(TRAINLOOP_TESTS_OPTIMIZATION)
+    target_compile_options(${target} PRIVATE $<$<NOT:$<CONFIG:Debug>>:${TRAINLOOP_TESTS_OPTIMIZATION}>)
+  endif()
 endfunction()
 
 # Creates the PCH target `trainloop_shared_pch` (when TRAINLOOP_SHARED_PCH is on) with the headers

@@ -7,6 +7,7 @@
 #   scripts/test.sh --torch 2.15.0       # only that release, every test (any of 2.11.0 ... 2.15.0)
 #   scripts/test.sh -R test_data         # other arguments go to ctest (of every run)
 #   TRAINLOOP_OLDEST_TESTS=all scripts/test.sh   # the whole suite on 2.11 too
+#   TRAINLOOP_EXAMPLES_OPTIMIZATION=-O1 scripts/test.sh   # examples and benchmarks at -O1 (CI's setting)
 #
 # Builds in build/ (the primary release; BUILD_DIR overrides) and build-torch-<version>/ (others).
 # Installs what is missing first (scripts/install-deps.sh). Prints each run's ctest summary, then
@@ -50,8 +51,11 @@ run_suite() {  # $1: the torch release; the rest: ctest's selection
     [[ $version == "$trainloop_torch_primary" ]] && header_check=${TRAINLOOP_HEADER_CHECK:-CHANGED}
     local generator=()  # Ninja for a new build folder (an existing one keeps its generator)
     command -v ninja > /dev/null && [[ ! -f $build_dir/CMakeCache.txt ]] && generator=(-G Ninja)
+    # TRAINLOOP_EXAMPLES_OPTIMIZATION (CI: -O1) builds the examples and benchmarks at that level;
+    # unset, at the build type's (-O3), as users and the benchmarks' numbers expect.
     cmake -S "$repo" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTRAINLOOP_WARNINGS_AS_ERRORS=ON \
-      -DTRAINLOOP_HEADER_CHECK="$header_check" "${libtorch_cmake_args[@]}"
+      -DTRAINLOOP_HEADER_CHECK="$header_check" -DTRAINLOOP_EXAMPLES_OPTIMIZATION="${TRAINLOOP_EXAMPLES_OPTIMIZATION:-}" \
+      "${libtorch_cmake_args[@]}"
     local targets=()
     if [[ $# -gt 0 ]]; then
       # A selection of tests (-L ...): build only their programs (and what they depend on).
