@@ -18,6 +18,7 @@
 #include <trainloop/trainloop.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -550,17 +551,33 @@ std::string reference_script() {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-PythonRun run_reference(const std::string& command, const std::vector<std::string>& args) {
-  static const std::string script = reference_script();
-  return run_python_script(work().path, "export_reference.py", script.c_str(), command, args);
+/// Where Python's exports and references are: TRAINLOOP_EXPORT_REFERENCES when ctest runs the
+/// suites (python_references makes it, then against_python reads it: tests/CMakeLists.txt says
+/// why they are two entries), else this process's own temporary directory.
+fs::path references_dir() {
+  const char* shared = std::getenv("TRAINLOOP_EXPORT_REFERENCES");
+  return shared && *shared ? fs::absolute(shared) : work().path;
 }
 
-/// The exported models and Python's references (export_reference.py generate), made once.
+PythonRun run_reference(const fs::path& dir, const std::string& command, const std::vector<std::string>& args) {
+  static const std::string script = reference_script();
+  return run_python_script(dir, "export_reference.py", script.c_str(), command, args);
+}
+
+/// Runs export_reference.py generate into `dir` (which it creates); fails the case with Python's log.
+void generate_references(const fs::path& dir) {
+  fs::create_directories(dir);
+  const auto run = run_reference(dir, "generate", kModels);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, "Python's generate failed:\n" + run.output);
+}
+
+/// The exported models and Python's references (export_reference.py generate): those
+/// python_references left in references_dir(), else made here, once.
 const fs::path& python_files() {
   static const fs::path dir = [] {
-    const auto run = run_reference("generate", kModels);
-    BOOST_REQUIRE_MESSAGE(run.exit_code == 0, "Python's generate failed:\n" + run.output);
-    return work().path;
+    const auto dir = references_dir();
+    if (!fs::exists(dir / "generated")) generate_references(dir);
+    return dir;
   }();
   return dir;
 }
@@ -613,6 +630,29 @@ double global_relative(const fs::path& a_file, const fs::path& b_file) {
 
 }  // namespace
 
+// Python's half, on its own: ctest runs it as one entry outside the "ranks" lock, before
+// against_python (tests/CMakeLists.txt). Into a sibling directory first, renamed when complete, so
+// that against_python never reads a half-written set.
+BOOST_AUTO_TEST_SUITE(python_references)
+
+BOOST_AUTO_TEST_CASE(python_exports_timm_models_and_trains_them_as_references, *boost::unit_test::precondition(export_python_present)) {
+  const auto dir = references_dir();
+  if (dir == work().path) {  // not under ctest: python_files() makes them here
+    BOOST_TEST(fs::exists(python_files() / (kModels.front() + ".pt2")));
+    return;
+  }
+  auto partial = dir;
+  partial += ".partial";
+  fs::remove_all(dir);
+  fs::remove_all(partial);
+  generate_references(partial);
+  for (const auto& model : kModels) BOOST_TEST(fs::exists(partial / (model + ".pt2")), model);
+  std::ofstream(partial / "generated") << "export_reference.py generate " << kModels.size() << " models\n";
+  fs::rename(partial, dir);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
 BOOST_AUTO_TEST_SUITE(against_python)
 
 BOOST_AUTO_TEST_CASE(timm_models_train_as_python_eager_in_single_and_ddp, *boost::unit_test::precondition(export_python_present)) {
@@ -620,7 +660,7 @@ BOOST_AUTO_TEST_CASE(timm_models_train_as_python_eager_in_single_and_ddp, *boost
   for (const auto& model : kModels) {
     for (const std::string optimizer : {"sgd", "adamw"}) {
       for (const std::string mode : {"single", "ddp"}) {
-        const auto out = dir / (model + "_" + optimizer + "_" + mode);
+        const auto out = work().path / (model + "_" + optimizer + "_" + mode);
         run_worker(model, out, mode, mode == "ddp" ? 4 : 8, 20, optimizer);  // ddp: 2 ranks x 4 = one process's 8
         std::string where;
         const double state = worst_relative(out / "state.pt", dir / (model + "_" + optimizer + "_" + mode + ".pt"), &where);
@@ -643,9 +683,9 @@ BOOST_AUTO_TEST_CASE(timm_models_train_as_python_eager_in_single_and_ddp, *boost
 BOOST_AUTO_TEST_CASE(trained_programs_go_back_to_python, *boost::unit_test::precondition(export_python_present)) {
   const auto& dir = python_files();
   for (const auto& model : kModels) {
-    const auto out = dir / (model + "_sgd_single");
+    const auto out = work().path / (model + "_sgd_single");
     if (!fs::exists(out / "trained.pt2")) run_worker(model, out, "single", 8, 20, "sgd");
-    const auto run = run_reference("check_back", {model, out.string()});
+    const auto run = run_reference(dir, "check_back", {model, out.string()});
     BOOST_TEST_MESSAGE(model << ": " << run.output.substr(run.output.rfind("strict_load")));
     BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
     BOOST_TEST(run.output.find("strict_load=ok program_vs_state=0 ") != std::string::npos, run.output);
@@ -658,15 +698,15 @@ BOOST_AUTO_TEST_CASE(trained_programs_go_back_to_python, *boost::unit_test::prec
 BOOST_AUTO_TEST_CASE(every_mode_and_option_trains_an_exported_model, *boost::unit_test::precondition(export_python_present)) {
   const auto& dir = python_files();
   const std::string model = "convnext_atto";  // no BatchNorm: replicas and ranks equal one process up to summation order
-  const auto single = dir / "options_single", ddp = dir / "options_ddp";
+  const auto single = work().path / "options_single", ddp = work().path / "options_ddp";
   run_worker(model, single, "single", 8, 20, "sgd");
   run_worker(model, ddp, "ddp", 4, 20, "sgd");
-  run_worker(model, dir / "options_dp", "dp", 8, 20, "sgd");
-  const double dp = worst_relative(dir / "options_dp" / "state.pt", single / "state.pt");
+  run_worker(model, work().path / "options_dp", "dp", 8, 20, "sgd");
+  const double dp = worst_relative(work().path / "options_dp" / "state.pt", single / "state.pt");
   BOOST_TEST_MESSAGE("dp (2 replicas) vs single: " << dp);
   BOOST_TEST(dp <= 1e-4);
   for (const std::string level : {"optimizer", "gradients", "full"}) {
-    const auto out = dir / ("options_sharding_" + level);
+    const auto out = work().path / ("options_sharding_" + level);
     run_worker(model, out, "ddp", 4, 20, "sgd", "sharding=" + level);
     const double sharded = worst_relative(out / "state.pt", ddp / "state.pt");
     BOOST_TEST_MESSAGE("ddp sharding " << level << " vs ddp: " << sharded);
@@ -678,7 +718,7 @@ BOOST_AUTO_TEST_CASE(every_mode_and_option_trains_an_exported_model, *boost::uni
   for (const auto& [what, model_name, option, bound] :
        std::vector<std::tuple<std::string, std::string, std::string, double>>{
            {"channels-last", "resnet18", "channels-last", 1e-6}, {"bf16 autocast", model, "bf16", 1e-2}}) {
-    const auto reference = dir / ("options_2_steps_" + model_name), out = dir / ("options_" + option);
+    const auto reference = work().path / ("options_2_steps_" + model_name), out = work().path / ("options_" + option);
     if (!fs::exists(reference / "state.pt")) run_worker(model_name, reference, "single", 8, 2, "sgd");
     run_worker(model_name, out, "single", 8, 2, "sgd", option);
     const double apart = global_relative(out / "state.pt", reference / "state.pt");
@@ -687,8 +727,8 @@ BOOST_AUTO_TEST_CASE(every_mode_and_option_trains_an_exported_model, *boost::uni
     BOOST_TEST(apart < bound, what << ": " << apart);
   }
   // Fine-tuning: the stem frozen by name stays as exported, the rest trains.
-  run_worker(model, dir / "options_frozen", "single", 8, 20, "sgd", "freeze=stem");
-  const auto frozen = interop::read_python_state_dict(dir / "options_frozen" / "state.pt");
+  run_worker(model, work().path / "options_frozen", "single", 8, 20, "sgd", "freeze=stem");
+  const auto frozen = interop::read_python_state_dict(work().path / "options_frozen" / "state.pt");
   const auto initial = interop::module_state_dict(*interop::ExportedProgram(dir / (model + ".pt2")));
   std::map<std::string, torch::Tensor> before(initial.begin(), initial.end());
   size_t stem = 0;
@@ -704,11 +744,11 @@ BOOST_AUTO_TEST_CASE(every_mode_and_option_trains_an_exported_model, *boost::uni
 }
 
 BOOST_AUTO_TEST_CASE(an_exported_model_resumes_bit_for_bit, *boost::unit_test::precondition(export_python_present)) {
-  const auto& dir = python_files();
+  const auto& out = work().path;
   for (const std::string mode : {"single", "ddp"}) {
     const int batch = mode == "ddp" ? 4 : 8;
-    const auto straight = dir / ("resume_straight_" + mode), halves = dir / ("resume_halves_" + mode);
-    const auto checkpoints = "checkpoints=" + (dir / ("resume_checkpoints_" + mode)).string();
+    const auto straight = out / ("resume_straight_" + mode), halves = out / ("resume_halves_" + mode);
+    const auto checkpoints = "checkpoints=" + (out / ("resume_checkpoints_" + mode)).string();
     run_worker("resnet18", straight, mode, batch, 10, "adamw", "epochs=2");
     run_worker("resnet18", halves, mode, batch, 10, "adamw", "epochs=1 " + checkpoints);
     run_worker("resnet18", halves, mode, batch, 10, "adamw", "epochs=1 " + checkpoints + " resume");
