@@ -64,7 +64,7 @@ if has test; then
   echo "ctest exit $?" >> "$out/test.log"
   # A crash in a test: where (the machine has cuda-gdb, which debugs host code too, but no gdb).
   if grep -q "memory access violation\|Segmentation fault" "$out/test.log" && command -v cuda-gdb > /dev/null; then
-    for t in unit_data test_launcher; do
+    for t in unit_data_and_checkpoints test_launcher; do
       timeout 120 cuda-gdb -batch -ex run -ex bt --args "$build/tests/$t" >> "$out/test.log" 2>&1
     done
   fi

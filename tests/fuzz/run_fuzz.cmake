@@ -8,7 +8,8 @@
 # TRAINLOOP_TEST_SKIPPED and ctest reports Skipped.
 #
 # Inputs (-D): SOURCE_DIR (tests/fuzz), INCLUDE_DIR (include/), TORCH_DIR, WORK_DIR, SECONDS,
-#              CUDA_COMPILER (for a CUDA libtorch's config), PREFIX_PATH ('|'-separated)
+#              CUDA_COMPILER (for a CUDA libtorch's config), PREFIX_PATH ('|'-separated),
+#              CCACHE, CCACHE_BASEDIR, CCACHE_MAXSIZE (optional: compile through ccache)
 cmake_minimum_required(VERSION 3.18)
 find_program(clang NAMES clang++ clang++-16 clang++-15 clang++-14)
 if(NOT clang)
@@ -34,6 +35,16 @@ set(configure ${CMAKE_COMMAND} -C "${WORK_DIR}/initial-cache.cmake" -S "${SOURCE
     -DTRAINLOOP_INCLUDE_DIR=${INCLUDE_DIR})
 if(CUDA_COMPILER)
   list(APPEND configure -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER})
+endif()
+# CCACHE (with CCACHE_BASEDIR): the main build compiles through ccache, and so does this one, so a
+# warm CI takes the fuzz target's ~90 s compile from the cache too.
+if(CCACHE)
+  list(APPEND configure -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
+  set(ENV{CCACHE_BASEDIR} "${CCACHE_BASEDIR}")
+  set(ENV{CCACHE_SLOPPINESS} "time_macros,include_file_mtime,include_file_ctime")
+  if(CCACHE_MAXSIZE)
+    set(ENV{CCACHE_MAXSIZE} "${CCACHE_MAXSIZE}")
+  endif()
 endif()
 foreach(step configure build)
   if(step STREQUAL build)
