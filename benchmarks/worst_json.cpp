@@ -16,7 +16,9 @@
 // - safetensors index: SafetensorsSource's index reader, weight_map entries "k":"f" (read from a
 //   file, as it is);
 // - .pt2 program: parse_untrusted_json (what Pt2Archive reads models/*.json with), a list of empty
-//   objects `[{},{},...]`, the most values per byte JSON allows.
+//   objects `[{},{},...]`, the most values per byte JSON allows (charged 32 bytes per byte: refused
+//   before parsing, json_dom_cost.hpp), and a list of zeros `[0,0,...]`, the costliest document it
+//   still parses (charged 16 per byte, the bound).
 // Each document is valid JSON; the safetensors and .pt2 readers then refuse it after parsing (it
 // is not a header of tensors, not a program), which is the work a stranger can make them do.
 #include <trainloop/serialization/export_json.hpp>
@@ -139,8 +141,11 @@ int main(int argc, char** argv) {
          return document_of(n, "{\"weight_map\":{", [](uint64_t i) { return "\"" + key_of(i) + "\":\"f\""; }, "}}");
        },
        [&dir](const std::string&) { ser::SafetensorsSource source(dir / "model.safetensors.index.json"); }},
-      {".pt2 program", uint64_t(256) << 20,
+      {".pt2 program {}", uint64_t(256) << 20,
        [](uint64_t n) { return document_of(n, "[", [](uint64_t) { return std::string("{}"); }, "]"); },
+       [](const std::string& text) { ser::parse_untrusted_json(text, "models/model.json", 64); }},
+      {".pt2 program 0", uint64_t(256) << 20,
+       [](uint64_t n) { return document_of(n, "[", [](uint64_t) { return std::string("0"); }, "]"); },
        [](const std::string& text) { ser::parse_untrusted_json(text, "models/model.json", 64); }},
   };
   std::printf("%-20s %10s %24s %22s %10s\n", "reader", "MiB", "seconds median (min-max)", "peak MiB median", "bytes/B");

