@@ -41,15 +41,21 @@ function(trainloop_append_build_options command_var)
   # without a PCH takes ~170 s at -O3 on CI's 2 cores, ~105 s at -O1 (three consumers: 291 s of
   # the cold run of 2026-11-28) and about a third less at -O0 (unit_data: -O1 117 s, -O0 74 s).
   list(APPEND command "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O0 -DNDEBUG")
-  # CCACHE (with CCACHE_BASEDIR, CCACHE_MAXSIZE): trainloop's own build compiles through ccache, and
-  # so does the consumer (the environment set here reaches its build, run by this script).
+  trainloop_append_ccache(command)
+  set(${command_var} ${command} PARENT_SCOPE)
+endfunction()
+
+# With CCACHE set (and CCACHE_BASEDIR, CCACHE_MAXSIZE): appends the compiler launcher to the configure
+# command in the list `command_var` and sets ccache's environment, which reaches the build this
+# script runs. trainloop's own build compiles through ccache, and so do the builds its tests make
+# (the consumers, the fuzz target), so a warm CI takes their compiles from the cache too.
+function(trainloop_append_ccache command_var)
   if(CCACHE)
-    list(APPEND command "-DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE}")
+    set(${command_var} ${${command_var}} "-DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE}" PARENT_SCOPE)
     set(ENV{CCACHE_BASEDIR} "${CCACHE_BASEDIR}")
     set(ENV{CCACHE_SLOPPINESS} "time_macros,include_file_mtime,include_file_ctime")
     if(CCACHE_MAXSIZE)
       set(ENV{CCACHE_MAXSIZE} "${CCACHE_MAXSIZE}")
     endif()
   endif()
-  set(${command_var} ${command} PARENT_SCOPE)
 endfunction()

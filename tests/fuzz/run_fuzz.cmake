@@ -36,16 +36,9 @@ set(configure ${CMAKE_COMMAND} -C "${WORK_DIR}/initial-cache.cmake" -S "${SOURCE
 if(CUDA_COMPILER)
   list(APPEND configure -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER})
 endif()
-# CCACHE (with CCACHE_BASEDIR): the main build compiles through ccache, and so does this one, so a
-# warm CI takes the fuzz target's ~90 s compile from the cache too.
-if(CCACHE)
-  list(APPEND configure -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
-  set(ENV{CCACHE_BASEDIR} "${CCACHE_BASEDIR}")
-  set(ENV{CCACHE_SLOPPINESS} "time_macros,include_file_mtime,include_file_ctime")
-  if(CCACHE_MAXSIZE)
-    set(ENV{CCACHE_MAXSIZE} "${CCACHE_MAXSIZE}")
-  endif()
-endif()
+# Through ccache when the main build uses it (CCACHE...): a warm CI takes the ~90 s compile from it.
+include(${CMAKE_CURRENT_LIST_DIR}/../../cmake/trainloopConsumerCheck.cmake)
+trainloop_append_ccache(configure)
 foreach(step configure build)
   if(step STREQUAL build)
     set(command ${CMAKE_COMMAND} --build "${WORK_DIR}/build")
