@@ -10,9 +10,9 @@
 /// mallinfo2 around nlohmann::json::parse, GCC 12, nlohmann-json 3.11.2): an object 64 bytes, a
 /// member 96 (the map node with its key and value), a string 48, an array 32, an array element 32
 /// (16 for its value, twice for the vector's growth), and a key or string longer than 15 bytes
-/// (beyond std::string's inline buffer) its length + 9 rounded up to 16 (malloc's chunk). Real documents, charged and measured:
-/// timm resnet18's program 5.8 (5.7) bytes per byte, its weights config 8.0 (7.9); `[{},{},...]`
-/// 32 (21).
+/// (beyond std::string's inline buffer) its length + 9 rounded up to 16 (malloc's chunk). Real
+/// documents, charged and measured: timm resnet18's program 5.8 (5.7) bytes per byte, its weights
+/// config 8.0 (7.9); `[{},{},...]` 32 (21).
 ///
 /// Hand-written: nlohmann-json reports no memory use, and the scan is the nesting scan's
 /// (nesting_depth.hpp) with a stack of what each open bracket is. Malformed text is charged as far
