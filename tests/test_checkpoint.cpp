@@ -323,6 +323,40 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_that_cannot_be_written_stops_training_naming_t
   BOOST_TEST(fs::file_size(dir.path / "good.ckpt") == size);
 }
 
+BOOST_AUTO_TEST_CASE(a_name_the_checkpoint_code_cannot_carry_is_refused_before_writing) {
+  // libtorch's format writes names into TorchScript code: a double quote, a backslash or a newline
+  // there made a file no resume could read (issue 50). Refused before writing; the earlier file stays.
+  TempDir dir;
+  for (const std::string& bad : {std::string("w\"x"), std::string("back\\slash"), std::string("new\nline")}) {
+    Run run(1, tl::gpu_mode::Single());
+    run.loop.save_checkpoint(dir.path / "good.ckpt");
+    std::ifstream before_file(dir.path / "good.ckpt", std::ios::binary);
+    const std::string before((std::istreambuf_iterator<char>(before_file)), std::istreambuf_iterator<char>());
+    run.net->fc1->register_parameter(bad, torch::zeros({2}));
+    std::string message;
+    try {
+      run.loop.save_checkpoint(dir.path / "good.ckpt");
+    } catch (const tl::CheckpointError& error) {
+      message = error.what();
+    }
+    BOOST_TEST(message.find("cannot write the checkpoint " + (dir.path / "good.ckpt").string() +
+                            ": the model's parameter \"fc1.") != std::string::npos, message);
+    BOOST_TEST(message.find("expected names without double quotes, backslashes or control characters") != std::string::npos, message);
+    std::ifstream after_file(dir.path / "good.ckpt", std::ios::binary);
+    const std::string after((std::istreambuf_iterator<char>(after_file)), std::istreambuf_iterator<char>());
+    BOOST_TEST((after == before));
+    BOOST_TEST(std::distance(fs::directory_iterator(dir.path), fs::directory_iterator()) == 1);  // no temporary left
+  }
+  // What libtorch's code does carry is written and read back: a space, a bracket, a dash, an apostrophe.
+  Run run(1, tl::gpu_mode::Single());
+  run.net->fc1->register_parameter("a b(-'", torch::full({2}, 7.0));
+  run.loop.save_checkpoint(dir.path / "odd.ckpt");
+  Run back(2, tl::gpu_mode::Single());
+  back.net->fc1->register_parameter("a b(-'", torch::zeros({2}));
+  back.loop.load_checkpoint(dir.path / "odd.ckpt");
+  BOOST_TEST(torch::equal(back.net->fc1->named_parameters()["a b(-'"], torch::full({2}, 7.0)));
+}
+
 BOOST_AUTO_TEST_CASE(bad_checkpoints_are_errors_that_name_the_file_and_last_falls_back) {
   TempDir dir;
   {

@@ -15,6 +15,7 @@
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
+#include <trainloop/serialization/operator_output_bytes.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <cmath>
@@ -227,8 +228,8 @@ BOOST_AUTO_TEST_CASE(only_listed_operators_run_and_what_their_kernels_trust_is_c
   BOOST_TEST(error_of([&] { model->forward(torch::randn({4, 4})); }) == "<no trainloop::Error was thrown>");
   model->set_memory_budget(40);  // linear's output alone: 4 x 3 floats, 48 bytes
   const std::string budget = error_of([&] { model->forward(torch::randn({4, 4})); });
-  BOOST_TEST(contains(budget, "node \"linear\""), budget);
-  BOOST_TEST(contains(budget, "over the program's memory budget of 40 bytes (set by the caller)"), budget);
+  BOOST_TEST(contains(budget, "node \"linear\" (\"torch.ops.aten.linear.default\") would make 48 bytes of results"), budget);
+  BOOST_TEST(contains(budget, "past the program's memory budget of 40 bytes (set by the caller)"), budget);
   // ...and a factory's allocation, known from its arguments, is refused before it is made.
   auto program = pt2_fixture::tiny_program();
   program["graph_module"]["graph"]["nodes"].insert(
@@ -240,7 +241,92 @@ BOOST_AUTO_TEST_CASE(only_listed_operators_run_and_what_their_kernels_trust_is_c
   pt2_fixture::write_archive(dir.path / "huge.pt2", pt2_fixture::tiny_records(program));
   interop::ExportedProgram huge(dir.path / "huge.pt2");
   const std::string factory = error_of([&] { huge->forward(torch::randn({4, 4})); });
-  BOOST_TEST(contains(factory, "node \"huge\" (\"torch.ops.aten.full.default\") would allocate 1099511627776 elements"), factory);
+  BOOST_TEST(contains(factory, "node \"huge\" (\"torch.ops.aten.full.default\") would make 8796093022208 bytes of results"), factory);
+  // ...and so is an operator's: two 4 MiB factories broadcast to 4 TiB by `add`, refused before
+  // its kernel asks for the memory (it was charged after it, issue 50).
+  auto outer = pt2_fixture::tiny_program();
+  auto& outer_nodes = outer["graph_module"]["graph"]["nodes"];
+  auto full_of = [](const std::string& name, std::vector<int64_t> size) {
+    return pt2_fixture::node(name, "torch.ops.aten.full.default",
+                             {pt2_fixture::named("size", {{"as_ints", size}}), pt2_fixture::named("fill_value", {{"as_float", 1.0}}),
+                              pt2_fixture::named("dtype", {{"as_scalar_type", 7}})},
+                             name);
+  };
+  outer_nodes.insert(outer_nodes.begin(), {full_of("column", {int64_t{1} << 20, 1}), full_of("row", {1, int64_t{1} << 20}),
+                                           pt2_fixture::node("outer", "torch.ops.aten.add.Tensor",
+                                                             {pt2_fixture::named("self", pt2_fixture::tensor_arg("column")),
+                                                              pt2_fixture::named("other", pt2_fixture::tensor_arg("row"))},
+                                                             "outer")});
+  pt2_fixture::write_archive(dir.path / "outer.pt2", pt2_fixture::tiny_records(outer));
+  interop::ExportedProgram broadcast(dir.path / "outer.pt2");
+  const std::string made = error_of([&] { broadcast->forward(torch::randn({4, 4})); });
+  BOOST_TEST(contains(made, "node \"outer\" (\"torch.ops.aten.add.Tensor\") would make 4398046511104 bytes of results, past "
+                            "the program's memory budget of "), made);
+  BOOST_TEST(contains(made, " with 8388608 bytes in use"), made);
+}
+
+BOOST_AUTO_TEST_CASE(every_allowed_operator_has_a_rule_that_bounds_what_its_kernel_makes) {
+  for (const auto& qualified : tl::serialization::exported_operators()) {
+    BOOST_TEST((tl::serialization::operator_output_bytes(qualified) != nullptr), qualified << " has no output rule");
+  }
+  // The rule against the kernel: the bytes of what it returns, from the same boxed arguments
+  // (given by name, the rest the schema's defaults), never more than the rule says, and not
+  // absurdly less (at most 40x: the window rules bound stride and dilation away).
+  auto check = [](const std::string& qualified, const std::map<std::string, c10::IValue>& given) {
+    const auto dot = qualified.rfind('.');
+    const std::string overload = qualified.substr(dot + 1);
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.substr(0, dot).c_str(),
+                                                                   overload == "default" ? "" : overload.c_str());
+    std::vector<c10::IValue> stack;
+    for (const auto& argument : op.schema().arguments()) {
+      const auto found = given.find(argument.name());
+      stack.push_back(found != given.end() ? found->second : *argument.default_value());
+    }
+    const int64_t bound = tl::serialization::operator_output_bytes(qualified)(stack);
+    op.callBoxed(stack);
+    int64_t made = 0;
+    for (const auto& value : stack) {
+      for (const auto& tensor : value.isTensor() ? std::vector<torch::Tensor>{value.toTensor()} : value.toTensorVector()) {
+        made += static_cast<int64_t>(tensor.nbytes());
+      }
+    }
+    BOOST_TEST(made <= bound, qualified << ": made " << made << " bytes, rule " << bound);
+    BOOST_TEST(bound <= 40 * std::max<int64_t>(made, 64), qualified << ": made " << made << " bytes, rule " << bound);
+  };
+  using IntList = std::vector<int64_t>;
+  const auto image = torch::randn({2, 3, 9, 9});
+  check("aten::conv2d.default", {{"input", image}, {"weight", torch::randn({5, 3, 3, 3})}, {"stride", IntList{2, 2}},
+                                 {"padding", IntList{1, 1}}});
+  check("aten::conv2d.default", {{"input", torch::randn({3, 9, 9})}, {"weight", torch::randn({7, 3, 1, 1})}, {"padding", IntList{2, 2}}});
+  check("aten::max_pool2d.default", {{"self", image}, {"kernel_size", IntList{3, 3}}, {"stride", IntList{2, 2}},
+                                     {"padding", IntList{1, 1}}, {"ceil_mode", true}});
+  check("aten::avg_pool2d.default", {{"self", image}, {"kernel_size", IntList{2, 2}}});
+  check("aten::adaptive_avg_pool2d.default", {{"self", image}, {"output_size", IntList{4, 5}}});
+  check("aten::linear.default", {{"input", torch::randn({2, 5, 7})}, {"weight", torch::randn({3, 7})}, {"bias", torch::randn({3})}});
+  check("aten::matmul.default", {{"self", torch::randn({2, 1, 5, 7})}, {"other", torch::randn({3, 7, 4})}});
+  check("aten::matmul.default", {{"self", torch::randn({7})}, {"other", torch::randn({2, 7, 4})}});
+  check("aten::matmul.default", {{"self", torch::randn({2, 5, 7})}, {"other", torch::randn({7})}});
+  const auto q = torch::randn({2, 3, 5, 8}), k = torch::randn({2, 3, 6, 8});
+  check("aten::einsum.default", {{"equation", std::string("bhqd,bhkd->bhqk")}, {"tensors", std::vector<torch::Tensor>{q, k}}});
+  check("aten::einsum.default", {{"equation", std::string("...qd, ...kd")}, {"tensors", std::vector<torch::Tensor>{q, k}}});
+  check("aten::einsum.default", {{"equation", std::string("ij,jk,kl->il")},
+                                 {"tensors", std::vector<torch::Tensor>{torch::randn({4, 5}), torch::randn({5, 6}), torch::randn({6, 3})}}});
+  check("aten::einsum.default", {{"equation", std::string("ii->i")}, {"tensors", std::vector<torch::Tensor>{torch::randn({5, 5})}}});
+  check("aten::scaled_dot_product_attention.default", {{"query", q}, {"key", k}, {"value", torch::randn({2, 3, 6, 4})}});
+  check("aten::embedding.default", {{"weight", torch::randn({10, 4})}, {"indices", torch::randint(10, {3, 5})}});
+  const auto cube = torch::randn({4, 5, 6});
+  check("aten::index.Tensor", {{"self", cube}, {"indices", c10::List<std::optional<at::Tensor>>({std::nullopt, torch::randint(5, {2, 3})})}});
+  check("aten::index.Tensor", {{"self", cube}, {"indices", c10::List<std::optional<at::Tensor>>({torch::rand({4, 5}) > 0.5})}});
+  check("aten::pad.default", {{"self", cube}, {"pad", IntList{1, 2, 3, 4}}});
+  check("aten::add.Tensor", {{"self", torch::randn({5, 1})}, {"other", torch::randn({1, 7})}});
+  check("aten::masked_fill.Scalar", {{"self", torch::randn({5, 1})}, {"mask", torch::rand({3, 1, 7}) > 0.5}, {"value", 0.0}});
+  check("aten::dropout.default", {{"input", cube}, {"p", 0.5}, {"train", true}});
+  check("aten::batch_norm.default", {{"input", image}, {"weight", torch::ones({3})}, {"bias", torch::zeros({3})},
+                                     {"running_mean", torch::zeros({3})}, {"running_var", torch::ones({3})}, {"training", true},
+                                     {"momentum", 0.1}, {"eps", 1e-5}, {"cudnn_enabled", false}});
+  check("aten::cat.default", {{"tensors", std::vector<torch::Tensor>{cube, cube}}, {"dim", 1}});
+  check("aten::new_zeros.default", {{"self", cube}, {"size", IntList{3, 4}}});
+  check("aten::roll.default", {{"self", cube}, {"shifts", IntList{1}}, {"dims", IntList{2}}});
 }
 
 BOOST_AUTO_TEST_CASE(batch_norm_without_running_statistics_uses_the_batch_in_eval_too) {

@@ -16,6 +16,7 @@
 /// Written atomically (detail/atomic_file.hpp): a kill at any moment leaves the previous file.
 /// Read by CheckpointFile (checkpoint/checkpoint_reader.hpp).
 
+#include <trainloop/checkpoint/code_safe_names.hpp>
 #include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/detail/history_io.hpp>
@@ -91,11 +92,15 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
 /// saved it (libtorch's format for every built-in mode; engine/optional_members.hpp);
 /// `rng_per_rank[r]` is rank r's capture_rng_state().
 /// @throws trainloop::CheckpointError naming `path` and the system's reason when it cannot be
-///         written (disk full, read-only); no partial file is left and an earlier one is unchanged.
+///         written (disk full, read-only), or a name its code cannot carry (code_safe_names.hpp);
+///         no partial file is left and an earlier one is unchanged.
 inline void write_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
                              torch::serialize::OutputArchive& optimizer, const TrainingProgress& progress,
                              const KeyedStates& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
                              const CheckpointHeader& header) {
+  std::vector<std::string> keys;
+  for (const auto& entry : callbacks) keys.push_back(entry.first);
+  check_names_fit_checkpoint_code(model, keys, path);
   torch::serialize::OutputArchive archive;
   model.save(archive);
   torch::serialize::OutputArchive ours;

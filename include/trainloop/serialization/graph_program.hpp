@@ -92,6 +92,13 @@ class GraphProgram {
     for (const auto& tensor : state) weight_bytes += tensor.defined() ? static_cast<int64_t>(tensor.nbytes()) : 0;
     const int64_t input_bytes = static_cast<int64_t>(input.nbytes());
     const int64_t budget = memory_budget ? *memory_budget : default_memory_budget(weight_bytes, input_bytes);
+    auto budget_said = [&] {
+      return trainloop::detail::concat("the program's memory budget of ", budget, " bytes",
+                                       memory_budget ? std::string(" (set by the caller)")
+                                                     : trainloop::detail::concat(" (1 GiB + 64 x its ", weight_bytes,
+                                                                                 " bytes of weights + 4096 x its input's ",
+                                                                                 input_bytes, ")"));
+    };
     LiveBytes live;  // the storages the program's values hold beyond the weights and the input
     std::vector<c10::IValue> stack;
     for (const auto& step : steps_) {
@@ -106,14 +113,14 @@ class GraphProgram {
         if (eval) {
           for (const auto& [index, value] : step.eval_arguments) stack[index] = value;
         }
-        // A factory's allocation, known from its arguments, is refused before it is made (8 bytes
-        // an element at most): `full([2^40], 1.0)` would otherwise take the memory, then be named.
-        if (const int64_t elements = step.elements_to_allocate(stack);
-            elements > 0 && (elements > (budget - live.bytes()) / 8)) {
+        // What a node's results will hold, bounded from its arguments, is refused before its kernel
+        // makes them: `full([2^40], 1.0)` or a broadcast of [N, 1] and [1, N] would otherwise
+        // take the memory, then be named (operator_output_bytes.hpp).
+        if (const int64_t bytes = step.bytes_to_allocate(stack); bytes > 0 && bytes > budget - live.bytes()) {
           throw CheckpointError(trainloop::detail::concat(
-              "trainloop: ", program_, " node ", quote_untrusted(step.node), " (", quote_untrusted(step.target), ") would allocate ",
-              elements, " elements, past the program's memory budget of ", budget, " bytes (", live.bytes(), " in use); expected ",
-              "a program of a real model, or a larger budget: ExportedProgram::set_memory_budget"));
+              "trainloop: ", program_, " node ", quote_untrusted(step.node), " (", quote_untrusted(step.target), ") would make ",
+              bytes, " bytes of results, past ", budget_said(), " with ", live.bytes(), " bytes in use; expected a program of a ",
+              "real model, or a larger budget: ExportedProgram::set_memory_budget"));
         }
         step.call(stack, program_);
         for (size_t r = 0; r < step.outputs.size() && r < stack.size(); ++r) step.outputs[r].store(stack[r], values, program_);
@@ -123,10 +130,7 @@ class GraphProgram {
         if (live.bytes() > budget) {
           throw CheckpointError(trainloop::detail::concat(
               "trainloop: ", program_, " node ", quote_untrusted(step.node), " (", quote_untrusted(step.target), ") leaves ",
-              live.bytes(), " bytes of values alive, over the program's memory budget of ", budget, " bytes",
-              memory_budget ? " (set by the caller)" : trainloop::detail::concat(" (1 GiB + 64 x its ", weight_bytes,
-                                                                                  " bytes of weights + 4096 x its input's ",
-                                                                                  input_bytes, ")"),
+              live.bytes(), " bytes of values alive, over ", budget_said(),
               "; expected a program of a real model, or a larger budget: ExportedProgram::set_memory_budget"));
         }
       }
@@ -238,6 +242,7 @@ class GraphProgram {
     if (!refused.empty()) throw refuse(concat("calls ", full, ".", overload, ", which ", refused));
     step.op = *handle;
     step.check = operator_argument_check(full + "." + overload);
+    step.output_bytes = operator_output_bytes(full + "." + overload);
     // Factories: a fresh tensor (no alias of an input, not a view) of the `size` they are given.
     const auto& returns = handle->schema().returns();
     const bool fresh = returns.size() == 1 && returns[0].alias_info() == nullptr && op_name.find("view") == std::string::npos;

@@ -9,6 +9,7 @@
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/export_arguments.hpp>
 #include <trainloop/serialization/operator_checks.hpp>
+#include <trainloop/serialization/operator_output_bytes.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/symbolic_ints.hpp>
 
@@ -65,6 +66,17 @@ struct GraphStep {
   OperatorArgumentCheck check = nullptr;   ///< what its kernel does not check itself (operator_checks.hpp), or null
   int size_argument = -1;                  ///< a factory's `size` (int list) argument, whose product it allocates; -1: none
   bool arange = false;                     ///< `arange`: allocates (end - start) / step elements
+
+  OperatorOutputBytes output_bytes = nullptr;  ///< bounds its results' bytes before it runs (operator_output_bytes.hpp), or null
+
+  /// @brief The bytes the step's results will hold at most, from its arguments, before it runs:
+  /// its operator's rule, or for an operator without one (a user's addition) a factory's size at 8
+  /// bytes an element; 0 when neither says. Saturates at INT64_MAX.
+  int64_t bytes_to_allocate(const std::vector<c10::IValue>& stack) const {
+    if (output_bytes != nullptr) return output_bytes(stack);
+    const int64_t elements = elements_to_allocate(stack);
+    return elements > std::numeric_limits<int64_t>::max() / 8 ? std::numeric_limits<int64_t>::max() : elements * 8;
+  }
 
   /// @brief The elements a factory step (`size` argument, `arange`) is about to allocate, from its
   /// arguments; 0 for other steps. Saturates at INT64_MAX.
