@@ -21,8 +21,8 @@
 //   still parses (charged 16 per byte, the bound).
 // Each document is valid JSON; the safetensors and .pt2 readers then refuse it after parsing (it
 // is not a header of tensors, not a program), which is the work a stranger can make them do.
-#include <trainloop/serialization/export_json.hpp>
-#include <trainloop/serialization/safetensors_index.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
+#include <trainloop/serialization/safetensors/safetensors_index.hpp>
 
 #include <CLI/CLI.hpp>
 

@@ -1,10 +1,10 @@
 # Derives the operators torch.export's training IR emits for real models: the positive allow-list
-# of include/trainloop/serialization/operator_policy.hpp is this script's output (issue 50).
+# of include/trainloop/interpreter/operator_policy.hpp is this script's output (issue 50).
 #
 #   python scripts/derive-operator-allowlist.py [--json OUT]     # this torch's exports, printed (and as JSON)
 #   python scripts/derive-operator-allowlist.py --header OUT.hpp A.json B.json ...
 #                                    # the union of several runs (one per supported torch release)
-#                                    # written as include/trainloop/serialization/exported_operators.hpp
+#                                    # written as include/trainloop/interpreter/exported_operators.hpp
 #
 # Exports, in train and in eval mode, with a dynamic batch (as tests/export_reference.py does):
 # timm's four families (resnet18, efficientnet_b0, convnext_atto, vit_tiny_patch16_224),

@@ -9,7 +9,7 @@ torch.distributed.checkpoint, 9: a DCP .metadata, 10: a tensor item of a .distcp
 
     scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
 
-Also writes the two largest real cases that serialization/pickle_limits.hpp's limits are stated
+Also writes the two largest real cases that serialization/pickle/pickle_limits.hpp's limits are stated
 against (resnet152's state_dict and Llama-2-7B's layout) as resnet152.pkl and llama7b.pkl into
 the directory given as a second argument, if any.
 """

@@ -15,7 +15,7 @@
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
-#include <trainloop/serialization/operator_output_bytes.hpp>
+#include <trainloop/interpreter/operator_output_bytes.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <cmath>

@@ -1,7 +1,7 @@
 #define BOOST_TEST_MODULE test_safetensors
 #include "unit_test.hpp"
 
-// Safetensors (serialization/safetensors_*.hpp, interop/safetensors_weights.hpp): every dtype
+// Safetensors (serialization/safetensors/, interop/safetensors_weights.hpp): every dtype
 // written and read back bit for bit, flat ranges, the streaming writer, Hugging Face's sharded
 // form, a model's weights by name, every defect of a stranger's file as an error naming the file
 // and the problem, and both directions against Python's `safetensors` package (PyPI; cases
@@ -11,10 +11,10 @@
 #include "test_support.hpp"
 
 #include <trainloop/interop.hpp>
-#include <trainloop/serialization/export_json.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
 #include <trainloop/serialization/json_dom_cost.hpp>
 #include <trainloop/serialization/nesting_depth.hpp>
-#include <trainloop/serialization/safetensors_index.hpp>
+#include <trainloop/serialization/safetensors/safetensors_index.hpp>
 
 #include <malloc.h>
 #include <sys/stat.h>

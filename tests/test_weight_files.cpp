@@ -13,9 +13,9 @@
 #include "test_support.hpp"
 
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
-#include <trainloop/distributed/ddp/checkpoint_state.hpp>
+#include <trainloop/distributed/ddp/comm_hook_state.hpp>
 #include <trainloop/interop.hpp>
-#include <trainloop/serialization/pickle_reader.hpp>
+#include <trainloop/serialization/pickle/pickle_reader.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/torch.h>

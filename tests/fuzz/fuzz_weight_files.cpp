@@ -35,12 +35,12 @@
 #include "../pt2_fixture.hpp"
 #include "fuzz_dcp.hpp"
 
-#include <trainloop/serialization/export_graph.hpp>
-#include <trainloop/serialization/graph_program.hpp>
-#include <trainloop/serialization/pickle_reader.hpp>
-#include <trainloop/serialization/pt2_archive.hpp>
-#include <trainloop/serialization/safetensors_reader.hpp>
-#include <trainloop/serialization/torch_archive.hpp>
+#include <trainloop/serialization/export/export_graph.hpp>
+#include <trainloop/interpreter/graph_program.hpp>
+#include <trainloop/serialization/pickle/pickle_reader.hpp>
+#include <trainloop/serialization/export/pt2_archive.hpp>
+#include <trainloop/serialization/safetensors/safetensors_reader.hpp>
+#include <trainloop/serialization/archive/torch_archive.hpp>
 
 #include <torch/script.h>
 

@@ -22,6 +22,8 @@ set(layers
   "cpu=20" "data=20" "metrics=20" "nn=20" "optim=20" "precision=20"
   "model_contract.hpp=30" "options.hpp=30"
   "serialization=30"
+  # Runs torch.export programs read by serialization/export: above the readers, below interop.
+  "interpreter=35"
   "checkpoint=40" "models=40"
   # The Callback interface and the monitored value every watcher shares: below the core.
   "callbacks/callback.hpp=50" "callbacks/monitor.hpp=50" "interop=50"

@@ -11,7 +11,7 @@
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/torch_archive.hpp>
+#include <trainloop/serialization/archive/torch_archive.hpp>
 #include <trainloop/version.hpp>
 
 #include <torch/torch.h>
@@ -45,7 +45,7 @@ class CheckpointFile {
     }
     // libtorch reads a checkpoint as a TorchScript archive (torch::jit::load), which compiles the
     // archive's code and runs its classes' __setstate__: a file from elsewhere is first proved to
-    // hold no method and pickles of plain values only (serialization/torch_archive.hpp).
+    // hold no method and pickles of plain values only (serialization/archive/torch_archive.hpp).
     serialization::TorchArchive(path_, "expected a checkpoint written by trainloop", "checkpoint ").check_runs_no_code();
     c10::optional<torch::Device> where;  // c10::optional is std::optional in 2.x
     if (device) where = *device;

@@ -29,11 +29,14 @@
 #include <trainloop/serialization/dcp/flat_range_boxes.hpp>
 #include <trainloop/serialization/dcp/metadata.hpp>
 #include <trainloop/serialization/dcp/metadata_file.hpp>
+#include <trainloop/serialization/dcp/metadata_parse.hpp>
+#include <trainloop/serialization/dcp/metadata_pickle.hpp>
 #include <trainloop/detail/torch_compat.hpp>
 
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <filesystem>
 #include <string>
 #include <unordered_map>
@@ -105,6 +108,28 @@ inline std::vector<std::string> planner_path_of(const std::string& key) {
   const auto dot = key.find('.');
   if (dot == std::string::npos) return {key};
   return {key.substr(0, dot), key.substr(dot + 1)};
+}
+
+/// @brief This rank's part of a per-rank checkpoint: writes its file into `directory`
+/// (write_rank_file) and returns its part of the metadata as bytes the loop carries to rank 0
+/// without reading them (write_checkpoint_metadata takes them back).
+inline std::string write_rank_part(const std::filesystem::path& directory, int rank, const std::vector<TensorShare>& shares,
+                                   const std::vector<std::pair<std::string, torch::Tensor>>& whole) {
+  return serialization::dcp::metadata_pickle(write_rank_file(directory, rank, shares, whole));
+}
+
+/// @brief Rank 0: merges every rank's part (write_rank_part's bytes, in rank order) and writes the
+/// checkpoint's `.metadata` into `directory`, fsynced. `checkpoint` names the checkpoint in errors.
+/// @throws trainloop::CheckpointError when a part does not parse or the parts overlap.
+inline void write_checkpoint_metadata(const std::filesystem::path& directory, const std::vector<std::string>& parts,
+                                      const std::string& checkpoint) {
+  std::vector<serialization::dcp::Metadata> metadata;
+  for (size_t r = 0; r < parts.size(); ++r) {
+    metadata.push_back(serialization::dcp::parse_metadata(parts[r], concat("rank ", r, "'s part of ", checkpoint), /*complete=*/false));
+  }
+  serialization::dcp::Metadata merged = serialization::dcp::merge_metadata(metadata);
+  for (const auto& [key, entry] : merged.tensors) merged.planner_data[key] = planner_path_of(key);
+  serialization::dcp::write_metadata(directory, merged);
 }
 
 /// The optimizer's param groups and options in libtorch's format, without its state (which a

@@ -5,13 +5,9 @@
 /// optimizer state sharded: ZeRO-1). How a run goes (launch, join, spawned ranks):
 /// gpu_mode/rank_engine.hpp. Sharded gradients and parameters are gpu_mode::FullyShardedDataParallel.
 
-#include <trainloop/distributed/ddp/checkpoint_state.hpp>
 #include <trainloop/distributed/ddp/comm_hook_choice.hpp>
+#include <trainloop/distributed/ddp/comm_hook_state.hpp>
 #include <trainloop/distributed/ddp/gradient_reducer.hpp>
-#include <trainloop/distributed/zero/flat_layout.hpp>
-#include <trainloop/distributed/zero/shard_checkpoint.hpp>
-#include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
-#include <trainloop/engine/checkpoint_shares.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/gpu_mode/multi_process.hpp>
@@ -58,9 +54,8 @@ struct DistributedDataParallel : MultiProcess<DistributedDataParallel> {
   /// (distributed/ddp/compression_hooks.hpp) or a user's own GradientCommHook.
   TORCH_ARG(distributed::CommHookFactory, comm_hook) = {};
   /// ZeRO stage 1 (sharding level "optimizer"): each rank keeps the optimizer state of 1/W of the
-  /// flat parameters and steps them (distributed/zero/zero_optimizer_shard.hpp); gradients are
-  /// still all-reduced whole. Checkpoints hold the whole state (gathered on save), so they resume
-  /// in any mode and world size.
+  /// flat parameters and steps them (distributed/zero/sharded_state.hpp); gradients are still
+  /// all-reduced whole. Checkpoints resume in any mode and world size.
   TORCH_ARG(bool, zero) = false;
 
  public:  // TORCH_ARG leaves the section private.
@@ -76,8 +71,8 @@ struct DistributedDataParallel : MultiProcess<DistributedDataParallel> {
 
 namespace detail {
 
-/// The engine of gpu_mode::DistributedDataParallel: the gradient reducer and, with zero(), this
-/// rank's share of the optimizer state; everything else is RankEngine's.
+/// The engine of gpu_mode::DistributedDataParallel: the gradient reducer and its comm hook; with
+/// zero() its state is sharded (RankEngine's ShardedState, ZeRO-1); everything else is RankEngine's.
 template <class Module>
 class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::DistributedDataParallel> {
   using Base = RankEngine<Module, gpu_mode::DistributedDataParallel>;
@@ -86,14 +81,17 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   using Base::module_;
 
  public:
-  using Base::Base;
+  DistributedDataParallelEngine(const gpu_mode::DistributedDataParallel& mode, std::shared_ptr<Module> module)
+      : Base(mode, std::move(module)) {
+    if (mode_.zero()) this->sharded_.shard(/*own_chunks=*/false, nullptr);  // ZeRO-1: one flat space
+  }
 
-  /// Every rank holding rank 0's state (RankEngine::join_fit), this fit's comm hook and gradient
-  /// reducer attached (for this fit only), and under ZeRO this rank's share of a whole state
-  /// loaded before.
+  /// Every rank holding rank 0's state (RankEngine::join_fit), under ZeRO this rank's share of the
+  /// state (ShardedState::begin_fit), and this fit's comm hook and gradient reducer attached (for
+  /// this fit only).
   void begin_fit(torch::optim::Optimizer& optimizer) {
     this->join_fit();
-    if (mode_.zero()) begin_zero_fit(optimizer);
+    this->sharded_.begin_fit(optimizer, group_->world_size(), group_->rank());
     // One rank: the local gradient is the average; reducing it copied and "all-reduced" every
     // gradient for nothing (measured on an H100, 1-rank NCCL, MLP 4096x4: 5.05 ms per step vs
     // 4.53 ms without DDP).
@@ -117,8 +115,7 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
 
   template <class Batch, class Forward, class Sink>
   void train_micro_batch(const Batch& batch, Forward&& forward, double loss_scale, bool synchronize, Sink&& sink) {
-    if (reducer_ && trainable_set_changed()) build_reducer();  // frozen or unfrozen since (finetune/freeze.hpp)
-    if (reducer_) reducer_->set_sync(synchronize);
+    train_without_samples(synchronize);  // the reduction set up, as for a rank without samples
     StepOutput out = forward(*module_, batch_to_device(batch, this->device_));
     (loss_scale == 1.0 ? out.loss : out.loss * loss_scale).backward();
     sink(out);
@@ -127,12 +124,10 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   /// micro-batch, so it runs no forward or backward but still takes part in the reduction when
   /// `synchronize` is true — with the gradient it accumulated earlier in the window, else zeros.
   void train_without_samples(bool synchronize) {
-    if (reducer_ && trainable_set_changed()) build_reducer();
+    if (reducer_ && trainable_set_changed()) build_reducer();  // frozen or unfrozen since (finetune/freeze.hpp)
     if (reducer_) reducer_->set_sync(synchronize);
   }
-  void before_optimizer_step() {
-    if (reducer_) reducer_->finalize();
-  }
+  void before_optimizer_step() { if (reducer_) reducer_->finalize(); }
   /// After finalize() every rank holds the same all-reduced gradients. (With one rank there is no
   /// reducer, and any_rank() costs nothing anyway.)
   bool gradients_agree() const { return reducer_.has_value(); }
@@ -140,76 +135,23 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   /// The optimizer step: under ZeRO this rank's share, then every owner's parameters to every
   /// rank (a collective); otherwise the whole step on every rank.
   void step_optimizer(torch::optim::Optimizer& optimizer) {
-    if (zero_) {
-      zero_->step(optimizer, *group_);
-    } else {
-      optimizer.step();
-    }
+    if (!this->sharded_.holds_share()) return void(optimizer.step());
+    this->sharded_.shard().step(optimizer, *group_);
   }
-  /// A checkpoint's optimizer part in libtorch's layout, plus this fit's comm hook state; a
-  /// collective under ZeRO or with a hook (distributed/ddp/checkpoint_state.hpp).
+  /// A checkpoint's optimizer part (RankEngine's), plus every rank's comm hook state (a
+  /// collective with a hook: distributed/ddp/comm_hook_state.hpp).
   void save_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive, bool writes) {
-    distributed::save_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive, writes);
+    Base::save_optimizer_state(optimizer, archive, writes);
+    distributed::save_comm_hook_state(group_, comm_hook_.get(), archive, writes);
   }
-  /// Loads a whole state (any mode's checkpoint): under ZeRO this rank keeps its share, and this
-  /// fit's comm hook gets its rank's state back (distributed/ddp/checkpoint_state.hpp).
+  /// Loads a whole state (RankEngine's), and this fit's comm hook gets its rank's state back.
+  /// (Per-rank checkpoints hold no hook state: a hook starts afresh.)
   void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
-    drop_unused_loaded_layout(optimizer);
-    distributed::load_ddp_optimizer_state(group_, zero_ ? &*zero_ : nullptr, comm_hook_.get(), optimizer, archive,
-                                          this->device_);
-  }
-
-  // ---- per-rank checkpoints under ZeRO-1 (engine/checkpoint_shares.hpp) ----
-  /// Every rank writes its share of the state once it holds one (the first ZeRO fit, or a per-rank
-  /// checkpoint loaded); the comm hook's state is not in such a checkpoint (a hook starts afresh).
-  bool writes_sharded_checkpoint() const { return zero_.has_value() && this->world_size() > 1; }
-  /// This rank's pieces of the parameters and their optimizer state (views, no copy).
-  std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
-    zero_->layout().check_same_parameters(optimizer);  // (inside the write: a failure is agreed)
-    return distributed::zero_checkpoint_shares(*zero_, module, optimizer, /*values_from_pieces=*/false);
-  }
-  /// Resuming from a per-rank checkpoint under ZeRO: reads only this rank's pieces of the state.
-  bool load_optimizer_shares(torch::optim::Optimizer& optimizer, ShareSource& source) {
-    if (!mode_.zero() || !this->env_ || this->world_size() == 1) return false;
-    distributed::ZeroOptimizerShard::check_optimizer(optimizer);
-    drop_unused_loaded_layout(optimizer);
-    if (!zero_) {
-      zero_.emplace(std::make_shared<const distributed::FlatLayout>(optimizer, static_cast<int>(this->world_size())),
-                    static_cast<int>(this->rank()));
-      layout_from_load_ = true;
-    }
-    zero_->layout().check_same_parameters(optimizer);
-    distributed::load_zero_optimizer_shares(*zero_, *module_, optimizer, source);
-    return true;
+    Base::load_optimizer_state(optimizer, archive);
+    distributed::load_comm_hook_state(group_, comm_hook_.get(), archive, this->device_);
   }
 
  private:
-  /// ZeRO-1: the layout of the optimizer state over the ranks, made once (the same in every fit:
-  /// the optimizer keys this rank's state by its pieces), and this rank's share of a whole state
-  /// loaded before.
-  /// A layout a per-rank checkpoint's load made for other parameters, which no fit used yet
-  /// (a spawned rank replaying an earlier fit): dropped, so the next load or fit lays out anew.
-  void drop_unused_loaded_layout(const torch::optim::Optimizer& optimizer) {
-    if (!zero_ || !layout_from_load_ || zero_->layout().same_parameters(optimizer)) return;
-    zero_.reset();
-    layout_from_load_ = false;
-  }
-  void begin_zero_fit(torch::optim::Optimizer& optimizer) {
-    distributed::ZeroOptimizerShard::check_optimizer(optimizer);
-    drop_unused_loaded_layout(optimizer);
-    // Joined ranks (torchrun...) keep only their share after a ZeRO fit: new owners would lose it.
-    TRAINLOOP_CHECK(!zero_ || zero_->layout().same_parameters(optimizer), "the optimizer's parameters changed since "
-                    "the last ZeRO fit, and each rank holds only the state of its share of the old ones; expected the "
-                    "same parameter groups in every ZeRO fit of this loop (or a checkpoint written before the "
-                    "change, which holds the whole state, resumed by a new loop)");
-    if (group_->world_size() == 1) return;
-    if (!zero_) {  // made here, or by a per-rank checkpoint loaded before this fit
-      zero_.emplace(std::make_shared<const distributed::FlatLayout>(optimizer, group_->world_size()), group_->rank());
-    }
-    layout_from_load_ = false;
-    zero_->keep_own_share(optimizer);  // a whole state loaded before this fit keeps this rank's pieces
-  }
-
   /// Which of this fit's parameters require grad now.
   std::vector<char> trainable_flags() const {
     std::vector<char> flags;
@@ -250,8 +192,6 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
   std::shared_ptr<distributed::GradientCommHook> comm_hook_;  // this fit's, kept across reducer rebuilds
   std::vector<torch::Tensor> parameters_;  // listed once per fit; the reducer takes those requiring grad
   std::vector<char> reduced_flags_;        // which of parameters_ the reducer reduces
-  std::optional<distributed::ZeroOptimizerShard> zero_;  // ZeRO-1: this rank's share of the optimizer state
-  bool layout_from_load_ = false;                        // zero_ made by a checkpoint's load, no fit used it yet
 };
 
 }  // namespace detail

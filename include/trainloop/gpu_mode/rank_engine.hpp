@@ -4,8 +4,10 @@
 /// who this process is in the job, joining the process group (and the stall watchdog), the
 /// collectives the loop agrees through, starting every fit from rank 0's state, broadcasting
 /// buffers after a step, evaluating a batch, and the three ways a fit() runs (launch ranks, join
-/// as one, or pass/train a spawned rank's fit). DistributedDataParallelEngine and
-/// FullyShardedEngine derive from it and add their gradient path.
+/// as one, or pass/train a spawned rank's fit), and the sharded state (distributed/zero/
+/// sharded_state.hpp: DDP's with zero(true), fsdp's always; replicated otherwise) with the
+/// checkpoint members it answers. DistributedDataParallelEngine and FullyShardedEngine derive
+/// from it and add their gradient path.
 ///
 /// How a run goes:
 /// - In a plain process, fit() becomes the launcher: it saves the model and optimizer, re-executes
@@ -17,6 +19,7 @@
 ///   data, and returns on every rank. A rank we spawned ends its process when its fit() is done:
 ///   the program after fit() runs once, in the launching process.
 
+#include <trainloop/checkpoint/checkpoint_shares.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/distributed/comm/model_sync.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
@@ -24,6 +27,7 @@
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
 #include <trainloop/distributed/watch/stall_watchdog.hpp>
+#include <trainloop/distributed/zero/sharded_state.hpp>
 #include <trainloop/engine/fit_actions.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/error.hpp>
@@ -118,6 +122,32 @@ class RankEngine {
     sink(forward(*module_, batch_to_device(batch, device_)));
   }
 
+  // ---- checkpoints: the sharded state answers (engine/sharded_members.hpp) ----------------
+  /// Every rank writes its share of a per-rank checkpoint once it holds one (a fit laid the state
+  /// out, or a per-rank checkpoint's load did); before, and when nothing is sharded, rank 0
+  /// writes one archive.
+  bool writes_sharded_checkpoint() const { return sharded_.holds_share() && world_size() > 1; }
+  /// This rank's pieces of the parameters and of their optimizer state (views, no copy).
+  std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
+    return sharded_.shares(module, optimizer, /*values_from_pieces=*/false);
+  }
+  /// Resuming from a per-rank checkpoint in a rank: lays the state out as the fit will and reads
+  /// only this rank's pieces of the optimizer state; false in the launching process, on one rank
+  /// and when nothing is sharded (the loop then loads the whole state).
+  bool load_optimizer_shares(torch::optim::Optimizer& optimizer, ShareSource& source) {
+    if (!env_ || world_size() == 1) return false;
+    return sharded_.load_shares(optimizer, *module_, source, static_cast<int>(world_size()), static_cast<int>(rank()));
+  }
+  /// A checkpoint's optimizer part in libtorch's layout, a sharded state gathered on the writing
+  /// rank (a collective while this rank holds a share).
+  void save_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive, bool writes) {
+    sharded_.save_whole(group_, optimizer, archive, writes);
+  }
+  /// Loads a whole state (any mode's checkpoint), of which a sharded rank keeps its share.
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+    sharded_.load_whole(optimizer, archive);
+  }
+
   /// Runs the loop the way this process's role requires: launch ranks (distributed/spawn/spawn_relay.hpp),
   /// join as a rank (torchrun, Slurm, Open MPI), or, in a rank we spawned, pass or train the
   /// matching fit() call.
@@ -153,6 +183,7 @@ class RankEngine {
   const std::optional<distributed::RankEnv>& env_;
   torch::Device device_ = torch::Device(torch::kCPU);
   distributed::ProcessGroup* group_ = nullptr;
+  distributed::ShardedState sharded_;  // Replicated unless the engine's constructor shards it
 
  private:
   torch::Device rank_device() const {

@@ -23,7 +23,7 @@
 /// statistics and num_batches_tracked) are updated exactly as Python's eager module does.
 ///
 /// Train and eval: export in train mode (`model.train()`, the default of a new timm model); eval
-/// mode is derived by switching the training flags (see serialization/graph_program.hpp).
+/// mode is derived by switching the training flags (see interpreter/graph_program.hpp).
 ///
 /// Reading runs no code: the archive is JSON and raw bytes, operators come only from the
 /// dispatcher's registered ATen and prims schemas, checked against each node's arguments at load.
@@ -32,9 +32,9 @@
 #include <trainloop/error.hpp>
 #include <trainloop/interop/python_state_dict.hpp>
 #include <trainloop/interop/state_dict.hpp>
-#include <trainloop/serialization/export_graph.hpp>
-#include <trainloop/serialization/graph_program.hpp>
-#include <trainloop/serialization/pt2_archive.hpp>
+#include <trainloop/serialization/export/export_graph.hpp>
+#include <trainloop/interpreter/graph_program.hpp>
+#include <trainloop/serialization/export/pt2_archive.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <caffe2/serialize/inline_container.h>

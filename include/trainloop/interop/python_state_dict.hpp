@@ -7,13 +7,13 @@
 /// pickle of the dict whose tensors refer to storages by key, `<dir>/data/<key>`, each storage's
 /// raw bytes, and `<dir>/version` (the top folder is "archive" or the file's stem, depending on
 /// the writer). libtorch's caffe2::serialize::PyTorchStreamReader/Writer handle the zip; the
-/// pickle is read by serialization/pickle_reader.hpp (libtorch's Unpickler cannot, see there) and
+/// pickle is read by serialization/pickle/pickle_reader.hpp (libtorch's Unpickler cannot, see there) and
 /// written by libtorch's Pickler.
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/interop/state_dict.hpp>
-#include <trainloop/serialization/torch_archive.hpp>
+#include <trainloop/serialization/archive/torch_archive.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -102,7 +102,7 @@ inline StateDict cpu_state(const StateDict& state) {
 
 /// @brief Reads a state_dict that Python saved with `torch.save(model.state_dict(), path)`.
 /// Safe on a file from a stranger: nothing in it runs, every size in it is checked before
-/// anything is allocated for it (serialization/torch_archive.hpp).
+/// anything is allocated for it (serialization/archive/torch_archive.hpp).
 ///
 /// Every dtype torch.save writes as a typed storage is read (float, double, half, bfloat16,
 /// int64, int32, int16, int8, uint8, bool, complex). Tensors come out on the CPU whatever device

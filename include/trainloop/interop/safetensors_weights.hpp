@@ -13,9 +13,9 @@
 #include <trainloop/interop/load_state_dict.hpp>
 #include <trainloop/interop/state_dict.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/safetensors_index.hpp>
-#include <trainloop/serialization/safetensors_reader.hpp>
-#include <trainloop/serialization/safetensors_writer.hpp>
+#include <trainloop/serialization/safetensors/safetensors_index.hpp>
+#include <trainloop/serialization/safetensors/safetensors_reader.hpp>
+#include <trainloop/serialization/safetensors/safetensors_writer.hpp>
 
 #include <torch/torch.h>
 

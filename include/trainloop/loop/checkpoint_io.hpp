@@ -5,7 +5,7 @@
 /// progress, the callbacks' states, and every rank's random stream and partial epoch sums,
 /// gathered to rank 0. Rank 0 writes and every rank agrees it did (checkpoint/loop_checkpoint.hpp);
 /// every rank reads the file itself, all or nothing (checkpoint/restore.hpp). The file's format is
-/// checkpoint/checkpoint_file.hpp's. A sharded engine (engine/checkpoint_shares.hpp) writes a
+/// checkpoint/checkpoint_file.hpp's. A sharded engine (engine/sharded_members.hpp) writes a
 /// per-rank checkpoint instead, a directory in torch.distributed.checkpoint's layout
 /// (loop/sharded_checkpoint_io.hpp), which every mode reads.
 
@@ -19,7 +19,7 @@
 #include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/detail/atomic_directory.hpp>
-#include <trainloop/engine/checkpoint_shares.hpp>
+#include <trainloop/engine/sharded_members.hpp>
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optional_members.hpp>

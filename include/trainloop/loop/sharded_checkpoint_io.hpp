@@ -8,7 +8,8 @@
 /// before anything becomes visible):
 /// 1. rank 0 makes a temporary directory next to the target and tells every rank its name;
 /// 2. every rank writes and fsyncs its `__<rank>_0.distcp` there and sends rank 0 its part of
-///    the metadata (small: names, boxes, byte ranges);
+///    the metadata (small: names, boxes, byte ranges), bytes this loop carries without reading
+///    (checkpoint/dcp_checkpoint.hpp owns the format: write_rank_part, write_checkpoint_metadata);
 /// 3. rank 0 writes the loop's state (`trainloop.pt`) and `.metadata`, fsyncs them and the
 ///    directory, and renames it into place (detail/atomic_directory.hpp).
 /// A kill at any moment leaves the previous checkpoint whole and at most a temporary directory,
@@ -17,13 +18,10 @@
 #include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/checkpoint/loop_checkpoint.hpp>
 #include <trainloop/detail/atomic_directory.hpp>
-#include <trainloop/engine/checkpoint_shares.hpp>
+#include <trainloop/engine/sharded_members.hpp>
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/dcp/metadata_file.hpp>
-#include <trainloop/serialization/dcp/metadata_parse.hpp>
-#include <trainloop/serialization/dcp/metadata_pickle.hpp>
 
 #include <torch/torch.h>
 
@@ -123,8 +121,7 @@ void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optim
       }
       for (const auto& item : module.named_buffers()) whole.emplace_back("model." + item.key(), item.value());
     }
-    part = serialization::dcp::metadata_pickle(
-        write_rank_file(temporary, static_cast<int>(engine.rank()), shares, whole));
+    part = write_rank_part(temporary, static_cast<int>(engine.rank()), shares, whole);
   } catch (...) {
     failure = checkpoint_failure(path);
   }
@@ -132,15 +129,10 @@ void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optim
   agree_or_throw(engine, failure, path);
   // 3. Rank 0: the loop's state, the metadata, the commit; every rank learns whether it worked.
   auto commit = [&] {
-    std::vector<serialization::dcp::Metadata> metadata;
-    for (size_t r = 0; r < parts.size(); ++r) {
-      metadata.push_back(serialization::dcp::parse_metadata(row_text(parts[r]),
-                                                            concat("rank ", r, "'s part of ", path.string()), /*complete=*/false));
-    }
-    serialization::dcp::Metadata merged = serialization::dcp::merge_metadata(metadata);
-    for (const auto& [key, entry] : merged.tensors) merged.planner_data[key] = planner_path_of(key);
+    std::vector<std::string> texts;
+    for (const auto& row : parts) texts.push_back(row_text(row));
     write_loop_state(std::filesystem::path(temporary) / kDcpLoopStateFile);
-    serialization::dcp::write_metadata(temporary, merged);
+    write_checkpoint_metadata(temporary, texts, path.string());
     commit_directory(temporary, path);
     cleanup.armed = false;
   };

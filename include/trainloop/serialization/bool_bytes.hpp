@@ -3,8 +3,6 @@
 /// @brief The check every reader makes of a BOOL tensor's bytes: libtorch's kernels assume 0 or 1,
 /// and any other byte is undefined behaviour there (a file that passes one reader must pass all:
 /// dcp_to_safetensors used to write what load_safetensors then refused, issue 50).
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <algorithm>
 #include <cstddef>

@@ -17,8 +17,6 @@
 /// Hand-written: nlohmann-json reports no memory use, and the scan is the nesting scan's
 /// (nesting_depth.hpp) with a stack of what each open bracket is. Malformed text is charged as far
 /// as it can be read and left for the parser to refuse.
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <cstddef>
 #include <cstdint>

@@ -8,8 +8,6 @@
 /// safetensors header peaked at 2.66 GB; issue 50), while the formats' own structures need a few.
 /// The caller bounds the nesting first (json_depth_beyond in nesting_depth.hpp, linear time), so a
 /// captured value is small and nothing here recurses deeply.
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <nlohmann/json.hpp>
 

@@ -16,8 +16,6 @@
 /// own, and the scan is a few lines. It counts (, [ and { outside string literals; malformed text
 /// is left for the parser to refuse. Comments are not skipped: a bracket in one counts, which can
 /// only refuse more.
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <cstddef>
 #include <string_view>

@@ -4,8 +4,6 @@
 /// must not block open() forever and a device (`/dev/zero`) must not be read until memory runs
 /// out (issue 50). Symbolic links are followed, as Hugging Face's cache needs (its snapshot's
 /// `model.safetensors` is a link into `blobs/`); what they lead to must be a regular file.
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <fcntl.h>
 #include <sys/stat.h>

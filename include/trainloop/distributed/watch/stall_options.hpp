@@ -107,4 +107,17 @@ inline StallWatchOptions stall_options_from_environment(StallWatchOptions option
   return options;
 }
 
+/// Whether two watchdogs' options are the same.
+inline bool same_stall_options(const StallWatchOptions& a, const StallWatchOptions& b) {
+  return a.enabled == b.enabled && a.limit == b.limit && a.step_factor == b.step_factor && a.grace_steps == b.grace_steps &&
+         a.grace_factor == b.grace_factor && a.checkpoint_limit == b.checkpoint_limit && a.action == b.action;
+}
+
+/// The options in words, for a message.
+inline std::string stall_options_words(const StallWatchOptions& options) {
+  if (!options.enabled) return "off";
+  return ::trainloop::detail::concat("limit ", options.limit.count(), " ms, ", options.step_factor, " x the slowest step, ",
+                                     options.action == StallAction::Report ? "report" : "fail");
+}
+
 }  // namespace trainloop::distributed

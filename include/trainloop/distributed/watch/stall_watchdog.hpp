@@ -200,7 +200,7 @@ class StallWatchdog {
     if (!consequence) {
       const std::string headline = report.substr(0, report.find('\n'));
       try {
-        board_.leave_verdict(headline);
+        board_.leave_verdict(WatchVerdict{type, headline});
       } catch (...) {
       }
     }
@@ -214,14 +214,14 @@ class StallWatchdog {
 
   /// Another rank reported: with StallAction::Fail this waiting rank ends too, a moment later (so
   /// that launchers see the reporting rank end first and name it).
-  void follow_verdict(const std::string& verdict) {
+  void follow_verdict(const WatchVerdict& verdict) {
     if (options_.action == StallAction::Report) return;
     const auto now = Clock::now();
     if (!verdict_seen_) verdict_seen_ = now;
     if (now - *verdict_seen_ < std::chrono::seconds(2)) return;
-    const bool desync = verdict.find("different collectives") != std::string::npos;
-    act("trainloop: rank " + std::to_string(rank_) + " ends because another rank reported: " + verdict,
-        desync ? "trainloop::DesyncError" : "trainloop::StallError", /*consequence=*/true);
+    const char* type = verdict.type == "trainloop::DesyncError" ? "trainloop::DesyncError" : "trainloop::StallError";
+    act("trainloop: rank " + std::to_string(rank_) + " ends because another rank reported: " + verdict.headline, type,
+        /*consequence=*/true);
   }
 
   /// Waited twice the limit with no verdict: name a rank that stopped publishing or is behind.
@@ -282,17 +282,29 @@ class StallWatchdog {
   std::optional<TerminateHook> terminate_hook_;  // made once thread_ runs, removed first
 };
 
-/// Starts this rank's watchdog once per process (later calls do nothing): options from the mode,
-/// overridden by the environment (stall_options.hpp), checked against the collective timeout.
-/// Does nothing when they turn it off.
+/// Starts this rank's watchdog once per process: options from the mode, overridden by the
+/// environment (stall_options.hpp), checked against the collective timeout. Does nothing when
+/// they turn it off. A later call (another loop's fit in the same process) keeps the first
+/// watchdog, and says once on stderr when its options differ (one watchdog per process: the
+/// store's records are the process's).
 inline void start_stall_watchdog(const ProcessGroupOptions& group_options, const RankEnv& env,
                                  const StallWatchOptions& mode_options) {
   static std::mutex mutex;
+  static std::optional<StallWatchOptions> started;  // the first call's, whether it started one
   static std::unique_ptr<StallWatchdog> watchdog;
+  static bool warned = false;
   std::lock_guard<std::mutex> lock(mutex);
-  if (watchdog) return;
   const StallWatchOptions options = stall_options_from_environment(mode_options);
+  if (started) {
+    if (!same_stall_options(*started, options) && !std::exchange(warned, true)) {
+      std::fprintf(stderr, "trainloop: rank %d's stall watchdog keeps its first options (%s); this fit's (%s) are not "
+                   "used: one watchdog watches a process\n", env.rank, stall_options_words(*started).c_str(),
+                   stall_options_words(options).c_str());
+    }
+    return;
+  }
   options.validate(group_options.timeout);
+  started = options;
   if (!options.enabled) return;
   watchdog = std::make_unique<StallWatchdog>(group_options, env, options);
 }

@@ -22,6 +22,13 @@
 
 namespace trainloop::distributed {
 
+/// @brief A rank's verdict as the others read it: the error it ends with (its type tells a stall
+/// from a desync, not its wording) and its report's first line.
+struct WatchVerdict {
+  std::string type;      ///< "trainloop::StallError" or "trainloop::DesyncError"
+  std::string headline;  ///< the report's first line
+};
+
 /// The ranks' records and the verdict, in the job's store.
 class WatchBoard {
  public:
@@ -44,8 +51,14 @@ class WatchBoard {
     std::optional<std::string> text = get_if_set(key(rank));
     return text ? RankRecord::parse(*text) : std::nullopt;
   }
-  /// The first verdict a rank left (its report's first line), if any.
-  std::optional<std::string> verdict() { return get_if_set("verdict"); }
+  /// The first verdict a rank left, if any.
+  std::optional<WatchVerdict> verdict() {
+    const std::optional<std::string> text = get_if_set("verdict");
+    if (!text) return std::nullopt;
+    const auto newline = text->find('\n');  // "<error type>\n<headline>"
+    if (newline == std::string::npos) return WatchVerdict{"trainloop::StallError", *text};
+    return WatchVerdict{text->substr(0, newline), text->substr(newline + 1)};
+  }
   /// The record of a rank (other than `rank` of `world_size`) whose collective numbered
   /// `mine.seq` is not `mine`, if one is found. The others publish within `period`; a rank that
   /// never issued that collective (it died, or is behind) is no mismatch. Reads at once, then after
@@ -70,10 +83,11 @@ class WatchBoard {
     }
     return std::nullopt;
   }
-  /// Leaves `headline` as the verdict unless another rank left one first.
-  void leave_verdict(const std::string& headline) {
+  /// Leaves `verdict` unless another rank left one first.
+  void leave_verdict(const WatchVerdict& verdict) {
+    const std::string text = verdict.type + "\n" + verdict.headline;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (store_->add("verdicts", 1) == 1) store_->set("verdict", std::vector<uint8_t>(headline.begin(), headline.end()));
+    if (store_->add("verdicts", 1) == 1) store_->set("verdict", std::vector<uint8_t>(text.begin(), text.end()));
   }
 
  private:

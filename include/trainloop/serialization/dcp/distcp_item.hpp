@@ -14,9 +14,9 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/bool_bytes.hpp>
-#include <trainloop/serialization/pickle_reader.hpp>
+#include <trainloop/serialization/pickle/pickle_reader.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/zip_directory.hpp>
+#include <trainloop/serialization/archive/zip_directory.hpp>
 
 #include <torch/torch.h>
 

@@ -10,7 +10,7 @@
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/dcp/metadata_parse.hpp>
 #include <trainloop/serialization/dcp/metadata_pickle.hpp>
-#include <trainloop/serialization/pickle_limits.hpp>
+#include <trainloop/serialization/pickle/pickle_limits.hpp>
 
 #include <cstdint>
 #include <filesystem>

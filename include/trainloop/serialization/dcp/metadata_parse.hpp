@@ -1,7 +1,7 @@
 #pragma once
 /// @file
 /// @brief A DCP `.metadata` pickle read into a dcp::Metadata with the safe unpickler
-/// (serialization/pickle_reader.hpp, PickleFlavor::DcpMetadata): only DCP's own classes and the
+/// (serialization/pickle/pickle_reader.hpp, PickleFlavor::DcpMetadata): only DCP's own classes and the
 /// torch and pathlib names their fields pickle to may be named (pickle_globals.hpp), none of them
 /// runs, memory is bounded by PickleLimits. Python's own reader, torch 2.11's
 /// FileSystemReader.read_metadata, pickle.loads the file, which would run any global it names.
@@ -12,7 +12,7 @@
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/dcp/metadata.hpp>
-#include <trainloop/serialization/pickle_reader.hpp>
+#include <trainloop/serialization/pickle/pickle_reader.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// @brief The values of serialization/pickle_reader.hpp's unpickler, and the document that owns
+/// @brief The values of serialization/pickle/pickle_reader.hpp's unpickler, and the document that owns
 /// what they refer to.
 ///
 /// A value is a small handle (kind, number, index); strings, containers and tensors live in one

@@ -1,17 +1,17 @@
 #pragma once
 /// @file
-/// @brief One node of a GraphProgram (serialization/graph_program.hpp), compiled: what it calls (an
+/// @brief One node of a GraphProgram (interpreter/graph_program.hpp), compiled: what it calls (an
 /// operator of libtorch's dispatcher, or a symbolic-int computation done here), how its arguments
 /// are made, what eval mode changes in it, where its results go and which values die after it;
 /// running it on a boxed stack; and the plan that releases each value after its last use, so a
 /// forward holds what autograd saved and little else.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/export_arguments.hpp>
-#include <trainloop/serialization/operator_checks.hpp>
-#include <trainloop/serialization/operator_output_bytes.hpp>
+#include <trainloop/serialization/export/export_arguments.hpp>
+#include <trainloop/interpreter/operator_checks.hpp>
+#include <trainloop/interpreter/operator_output_bytes.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/symbolic_ints.hpp>
+#include <trainloop/interpreter/symbolic_ints.hpp>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>

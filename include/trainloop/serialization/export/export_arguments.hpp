@@ -7,7 +7,7 @@
 /// 1000 (nor handed to a kernel that would read it as something else).
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/pt2_archive.hpp>
+#include <trainloop/serialization/export/pt2_archive.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <ATen/core/function_schema.h>

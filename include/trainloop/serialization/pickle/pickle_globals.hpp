@@ -17,8 +17,8 @@
 /// | DCP .metadata only: torch.Size, torch.serialization._get_layout, pathlib.*Path | the tuple; the layout's name; the path's text |
 /// | DCP .metadata only: metadata._MEM_FORMAT_ENCODING, builtins.getattr of it | the member's value (`getattr` of nothing else) |
 
-#include <trainloop/serialization/pickle_value.hpp>
-#include <trainloop/serialization/tensor_rebuild.hpp>
+#include <trainloop/serialization/pickle/pickle_value.hpp>
+#include <trainloop/serialization/pickle/tensor_rebuild.hpp>
 
 #include <torch/torch.h>
 

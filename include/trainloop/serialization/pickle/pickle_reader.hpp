@@ -5,9 +5,9 @@
 /// TorchScript archives, the plain objects `torch.jit.save` / `torch::save` write), read into
 /// tensors. Safe by construction, for files from strangers:
 ///
-/// - no code: a global is checked against the allow-list (serialization/pickle_globals.hpp) the
+/// - no code: a global is checked against the allow-list (serialization/pickle/pickle_globals.hpp) the
 ///   moment the pickle names it, and what an allowed one does is done in C++
-///   (serialization/pickle_objects.hpp); BUILD only on what the allow-list says takes state; no
+///   (serialization/pickle/pickle_objects.hpp); BUILD only on what the allow-list says takes state; no
 ///   opcode that needs another name (INST, OBJ, EXT*, PERSID) is read;
 /// - no unbounded memory: values are handles into one PickleDocument (pickle_value.hpp), so DUP
 ///   and BINGET copy 24 bytes, never a string; the memo is a map, so an index of 2^32-1 costs one
@@ -30,11 +30,11 @@
 /// unpickler.cpp of both), so no option or callback of it helps.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/pickle_cursor.hpp>
-#include <trainloop/serialization/pickle_globals.hpp>
-#include <trainloop/serialization/pickle_limits.hpp>
-#include <trainloop/serialization/pickle_objects.hpp>
-#include <trainloop/serialization/pickle_value.hpp>
+#include <trainloop/serialization/pickle/pickle_cursor.hpp>
+#include <trainloop/serialization/pickle/pickle_globals.hpp>
+#include <trainloop/serialization/pickle/pickle_limits.hpp>
+#include <trainloop/serialization/pickle/pickle_objects.hpp>
+#include <trainloop/serialization/pickle/pickle_value.hpp>
 
 #include <algorithm>
 #include <cstddef>

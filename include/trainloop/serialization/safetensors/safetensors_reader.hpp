@@ -4,14 +4,12 @@
 /// (safetensors_header.hpp), then any tensor, or any flat element range of one, read from exactly
 /// its bytes with pread. Nothing is mapped and nothing is allocated before its size has been
 /// checked against the file's: a sharded model reads its share of each tensor and no more.
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/bool_bytes.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/regular_file.hpp>
-#include <trainloop/serialization/safetensors_header.hpp>
+#include <trainloop/serialization/safetensors/safetensors_header.hpp>
 
 #include <fcntl.h>
 #include <sys/stat.h>

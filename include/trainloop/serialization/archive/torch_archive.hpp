@@ -15,10 +15,10 @@
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/bool_bytes.hpp>
 #include <trainloop/serialization/nesting_depth.hpp>
-#include <trainloop/serialization/pickle_reader.hpp>
+#include <trainloop/serialization/pickle/pickle_reader.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/whole_word.hpp>
-#include <trainloop/serialization/zip_directory.hpp>
+#include <trainloop/serialization/archive/whole_word.hpp>
+#include <trainloop/serialization/archive/zip_directory.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/torch.h>

@@ -12,7 +12,7 @@
 /// every DataParallel replica).
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/export_arguments.hpp>
+#include <trainloop/serialization/export/export_arguments.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <ATen/core/function_schema.h>

@@ -23,7 +23,7 @@
 /// An operator refused here is a CheckpointError at load naming the node, the operator and why.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/exported_operators.hpp>
+#include <trainloop/interpreter/exported_operators.hpp>
 
 #include <mutex>
 #include <set>
@@ -103,7 +103,7 @@ inline std::string refused_operator_reason(const std::string& space, const std::
     if (added.names.count(qualified)) return {};
   }
   return "is not on the list of operators a program from a file may run (those torch.export emits for timm's, "
-         "torchvision's and the zoo's models and transformer blocks: serialization/exported_operators.hpp); if you "
+         "torchvision's and the zoo's models and transformer blocks: interpreter/exported_operators.hpp); if you "
          "trust the program's author, allow it before loading: "
          "trainloop::serialization::allow_exported_operator(\"" + qualified + "\")";
 }

@@ -6,7 +6,7 @@
 /// batch, also the fixes (export with a Dim, or drop_last).
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/export_graph.hpp>
+#include <trainloop/serialization/export/export_graph.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <torch/torch.h>

@@ -12,7 +12,7 @@
 /// field missing, of the wrong type, a name used twice, are errors naming the program and node.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/pt2_archive.hpp>
+#include <trainloop/serialization/export/pt2_archive.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <nlohmann/json.hpp>

@@ -7,8 +7,8 @@
 /// undefined behaviour; and the arguments of such nodes.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/export_arguments.hpp>
-#include <trainloop/serialization/export_json.hpp>
+#include <trainloop/serialization/export/export_arguments.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
 #include <ATen/core/ivalue.h>

@@ -16,14 +16,12 @@
 ///     <root>/data/weights/weight_<n>                 raw bytes of one storage (shared by tied weights)
 ///     <root>/data/constants/<model>_constants_config.json, tensor_<n>: the same, for constants
 ///     <root>/data/sample_inputs/<model>.pt            torch.save'd example inputs (never read here)
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/bool_bytes.hpp>
-#include <trainloop/serialization/export_json.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/zip_directory.hpp>
+#include <trainloop/serialization/archive/zip_directory.hpp>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>

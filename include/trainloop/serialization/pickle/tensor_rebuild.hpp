@@ -5,7 +5,7 @@
 /// tensor is made of it, so no offset, size or stride from a file can reach memory outside it.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/pickle_value.hpp>
+#include <trainloop/serialization/pickle/pickle_value.hpp>
 
 #include <torch/torch.h>
 

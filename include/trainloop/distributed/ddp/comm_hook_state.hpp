@@ -1,19 +1,15 @@
 #pragma once
 /// @file
-/// @brief What a DDP checkpoint's optimizer part holds beyond one rank's optimizer: under ZeRO
-/// every rank's share of the state (gathered into libtorch's layout, so any mode resumes from
-/// it), and with a comm hook every rank's hook state (PowerSGD's Q and error feedback).
-///
-/// The optimizer archive is libtorch's (Optimizer::save) with one more entry,
-/// "trainloop_comm_hook": "world_size" and "rank<r>", each rank's GradientCommHook::save_state
-/// serialized as bytes. libtorch's own loader ignores the entry, so the file stays loadable
-/// anywhere; a DDP run with the same world size hands each rank its own part back.
+/// @brief The comm hooks' state in a DDP checkpoint (PowerSGD's Q and error feedback): every
+/// rank's GradientCommHook::save_state, gathered on the writing rank into the optimizer archive's
+/// "trainloop_comm_hook" entry — "world_size" and "rank<r>", each rank's state serialized as
+/// bytes — and handed back to each rank by a DDP run with the same world size. libtorch's own
+/// loader ignores the entry, so the file stays loadable anywhere. (A sharded optimizer's part of
+/// the archive is distributed/zero/sharded_state.hpp's.)
 
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/ddp/gradient_comm_hook.hpp>
-#include <trainloop/distributed/zero/zero_optimizer_shard.hpp>
-#include <trainloop/optim/optimizer_state.hpp>
-#include <trainloop/serialization/torch_archive.hpp>
+#include <trainloop/serialization/archive/torch_archive.hpp>
 
 #include <torch/torch.h>
 
@@ -34,7 +30,7 @@ namespace detail {
 
 /// The comm hook's state is an archive stored as bytes inside the checkpoint, whoever wrote the
 /// file, and libtorch's reader compiles an archive's code (a crafted one crashed its parser):
-/// checked as the checkpoint itself was (serialization/torch_archive.hpp), through a temporary
+/// checked as the checkpoint itself was (serialization/archive/torch_archive.hpp), through a temporary
 /// file, before libtorch reads it.
 /// @throws trainloop::CheckpointError when the bytes are not an archive of plain values.
 inline void check_hook_state_runs_no_code(const torch::Tensor& bytes) {
@@ -80,51 +76,29 @@ inline torch::Tensor comm_hook_state_bytes(const GradientCommHook& hook) {
 }
 }  // namespace detail
 
-/// Writes `optimizer`'s whole state into `archive` on each rank where `writes`. Without a group
-/// (the launching process), ZeRO and a hook, only the writer serializes; otherwise a collective:
-/// each writing rank (rank 0; with spawned ranks on several machines, each machine's local rank 0)
-/// in turn gathers every rank's ZeRO share and hook state, writes them and lets the share go.
-inline void save_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* zero, const GradientCommHook* hook,
-                                     torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive,
-                                     bool writes) {
-  if (group == nullptr || (zero == nullptr && hook == nullptr)) {
-    if (writes) ::trainloop::detail::save_optimizer_state(optimizer, archive);
-    return;
-  }
-  const torch::Tensor hook_bytes = hook ? detail::comm_hook_state_bytes(*hook) : torch::Tensor();
+/// @brief Writes every rank's `hook` state into `archive` on each rank where `writes` (a
+/// collective while there is a group and a hook; nothing otherwise).
+inline void save_comm_hook_state(ProcessGroup* group, const GradientCommHook* hook, torch::serialize::OutputArchive& archive,
+                                 bool writes) {
+  if (group == nullptr || hook == nullptr) return;
+  const torch::Tensor bytes = detail::comm_hook_state_bytes(*hook);
   const torch::Tensor writers = group->all_gather(torch::full({1}, writes ? 1 : 0, torch::kInt64)).reshape({-1});
   for (int root = 0; root < group->world_size(); ++root) {
     if (writers[root].item<std::int64_t>() == 0) continue;
-    struct Release {  // the root lets the gathered share go, also when writing throws
-      ZeroOptimizerShard* shard;
-      torch::optim::Optimizer& optimizer;
-      ~Release() {
-        if (shard) shard->release_gathered(optimizer);
-      }
-    } release{zero, optimizer};
-    if (zero) zero->gather_state(optimizer, *group, root);
-    std::vector<torch::Tensor> hook_rows;
-    if (hook) hook_rows = group->gather_rows_to(hook_bytes, root);
+    const std::vector<torch::Tensor> rows = group->gather_rows_to(bytes, root);
     if (root != group->rank()) continue;
-    ::trainloop::detail::save_optimizer_state(optimizer, archive);
-    if (hook) {
-      torch::serialize::OutputArchive hooks;
-      hooks.write("world_size", torch::full({1}, group->world_size(), torch::kInt64));
-      for (std::size_t r = 0; r < hook_rows.size(); ++r) hooks.write("rank" + std::to_string(r), hook_rows[r]);
-      archive.write("trainloop_comm_hook", hooks);
-    }
+    torch::serialize::OutputArchive hooks;
+    hooks.write("world_size", torch::full({1}, group->world_size(), torch::kInt64));
+    for (std::size_t r = 0; r < rows.size(); ++r) hooks.write("rank" + std::to_string(r), rows[r]);
+    archive.write("trainloop_comm_hook", hooks);
   }
 }
 
-/// Loads a whole optimizer state (any mode's checkpoint); under ZeRO this rank keeps its share
-/// (the whole state is read first: the checkpoint reader loads every tensor of the file).
-/// `hook` gets this rank's saved state back when the checkpoint was written by as many ranks;
-/// with another world size, or none saved, it starts afresh (as the first fit did).
-inline void load_ddp_optimizer_state(ProcessGroup* group, ZeroOptimizerShard* zero, GradientCommHook* hook,
-                                     torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
-                                     const torch::Device& device) {
-  ::trainloop::detail::load_optimizer_state(optimizer, archive);
-  if (zero) zero->keep_own_share(optimizer);
+/// @brief Gives `hook` this rank's saved state back when the checkpoint was written by as many
+/// ranks; with another world size, or none saved, it starts afresh (as the first fit did).
+/// @throws trainloop::CheckpointError when the saved state is not an archive of plain values.
+inline void load_comm_hook_state(ProcessGroup* group, GradientCommHook* hook, torch::serialize::InputArchive& archive,
+                                 const torch::Device& device) {
   torch::serialize::InputArchive hooks;
   torch::Tensor saved_world, bytes;
   if (hook == nullptr || group == nullptr || !archive.try_read("trainloop_comm_hook", hooks) ||

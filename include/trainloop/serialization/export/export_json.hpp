@@ -5,8 +5,6 @@
 /// trainloop::CheckpointError naming where it is (never nlohmann's own exceptions, never a
 /// default-constructed value). Also the export schema's enums that are not JSON's
 /// (torch/_export/serde/schema.yaml: ScalarType).
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/json_dom_cost.hpp>

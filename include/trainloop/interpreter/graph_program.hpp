@@ -8,23 +8,23 @@
 /// `operator.mul` ...) are evaluated here.
 ///
 /// Train and eval from one graph: eval mode rewrites the training flags the training graph
-/// recorded (serialization/eval_mode_switch.hpp). Which operators a file may call at all:
-/// serialization/operator_policy.hpp.
+/// recorded (interpreter/eval_mode_switch.hpp). Which operators a file may call at all:
+/// interpreter/operator_policy.hpp.
 ///
 /// Which intermediate values are alive: each is released after its last use, so a forward holds
 /// what autograd saved and little else. A compiled node, running it and that plan:
-/// serialization/graph_step.hpp.
+/// interpreter/graph_step.hpp.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/export_arguments.hpp>
-#include <trainloop/serialization/export_graph.hpp>
-#include <trainloop/serialization/eval_mode_switch.hpp>
-#include <trainloop/serialization/exported_input_sizes.hpp>
-#include <trainloop/serialization/graph_step.hpp>
-#include <trainloop/serialization/live_bytes.hpp>
-#include <trainloop/serialization/operator_policy.hpp>
+#include <trainloop/serialization/export/export_arguments.hpp>
+#include <trainloop/serialization/export/export_graph.hpp>
+#include <trainloop/interpreter/eval_mode_switch.hpp>
+#include <trainloop/serialization/export/exported_input_sizes.hpp>
+#include <trainloop/interpreter/graph_step.hpp>
+#include <trainloop/interpreter/live_bytes.hpp>
+#include <trainloop/interpreter/operator_policy.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/symbolic_ints.hpp>
+#include <trainloop/interpreter/symbolic_ints.hpp>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>

@@ -8,8 +8,6 @@
 /// The JSON is an object mapping each tensor's name to `{"dtype", "shape", "data_offsets": [begin,
 /// end]}` (offsets into the data, after the header) and an optional `"__metadata__"` object of
 /// strings. The data is raw, little-endian and row-major.
-///
-/// C++17, like the rest of serialization/: the fuzz target (tests/fuzz) builds it with clang 14.
 
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/json_sax_reader.hpp>

@@ -4,13 +4,11 @@
 /// declared first, so the header (and every offset) is written before any data; then each tensor
 /// is asked of a callback, in order, written, and dropped. A sharded model gathers one tensor at a
 /// time and never holds more than one. The file is written atomically (detail/atomic_file.hpp).
-///
-/// C++17, like the rest of serialization/.
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/safetensors_header.hpp>
+#include <trainloop/serialization/safetensors/safetensors_header.hpp>
 
 #include <torch/torch.h>
 

@@ -1,12 +1,12 @@
 #pragma once
 /// @file
-/// @brief How serialization/pickle_reader.hpp's unpickler makes values: into one PickleDocument,
+/// @brief How serialization/pickle/pickle_reader.hpp's unpickler makes values: into one PickleDocument,
 /// each text, container and tensor counted against PickleLimits (memory, nesting) as it is made.
 
 #include <trainloop/error.hpp>
-#include <trainloop/serialization/pickle_limits.hpp>
-#include <trainloop/serialization/pickle_value.hpp>
-#include <trainloop/serialization/tensor_rebuild.hpp>
+#include <trainloop/serialization/pickle/pickle_limits.hpp>
+#include <trainloop/serialization/pickle/pickle_value.hpp>
+#include <trainloop/serialization/pickle/tensor_rebuild.hpp>
 
 #include <torch/torch.h>
 

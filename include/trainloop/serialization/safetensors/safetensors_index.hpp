@@ -5,8 +5,6 @@
 /// shard file}} in one directory. write_safetensors_sharded() writes that form (tensors never
 /// split, each shard atomically, the index last); SafetensorsSource reads a single .safetensors,
 /// an index, or a directory holding either, and reads tensors (or flat ranges) by name.
-///
-/// C++17, like the rest of serialization/.
 
 #include <trainloop/detail/atomic_file.hpp>
 #include <trainloop/error.hpp>
@@ -14,8 +12,8 @@
 #include <trainloop/serialization/nesting_depth.hpp>
 #include <trainloop/serialization/quoted.hpp>
 #include <trainloop/serialization/regular_file.hpp>
-#include <trainloop/serialization/safetensors_reader.hpp>
-#include <trainloop/serialization/safetensors_writer.hpp>
+#include <trainloop/serialization/safetensors/safetensors_reader.hpp>
+#include <trainloop/serialization/safetensors/safetensors_writer.hpp>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>

@@ -1,9 +1,9 @@
 #pragma once
 /// @file
-/// @brief The bytes of one pickle, read forward by serialization/pickle_reader.hpp's unpickler:
+/// @brief The bytes of one pickle, read forward by serialization/pickle/pickle_reader.hpp's unpickler:
 /// each read checked against the end, so a truncated file is an error, never a read past it.
 
-#include <trainloop/serialization/tensor_rebuild.hpp>
+#include <trainloop/serialization/pickle/tensor_rebuild.hpp>
 
 #include <cstddef>
 #include <cstdint>

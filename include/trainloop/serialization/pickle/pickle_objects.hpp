@@ -1,17 +1,17 @@
 #pragma once
 /// @file
-/// @brief What the objects of a pickle become, done in C++ for serialization/pickle_reader.hpp's
+/// @brief What the objects of a pickle become, done in C++ for serialization/pickle/pickle_reader.hpp's
 /// unpickler: a global checked against the allow-list (pickle_globals.hpp) the moment it is named,
 /// REDUCE of an allowed callable (an OrderedDict, a tensor proved inside its storage, a
 /// parameter's data), the storages that persistent ids name (each loaded once), BUILD's state,
 /// and NEWOBJ of a TorchScript class. No method of any class runs.
 
-#include <trainloop/serialization/pickle_builder.hpp>
-#include <trainloop/serialization/pickle_globals.hpp>
-#include <trainloop/serialization/pickle_limits.hpp>
-#include <trainloop/serialization/pickle_value.hpp>
+#include <trainloop/serialization/pickle/pickle_builder.hpp>
+#include <trainloop/serialization/pickle/pickle_globals.hpp>
+#include <trainloop/serialization/pickle/pickle_limits.hpp>
+#include <trainloop/serialization/pickle/pickle_value.hpp>
 #include <trainloop/serialization/quoted.hpp>
-#include <trainloop/serialization/tensor_rebuild.hpp>
+#include <trainloop/serialization/pickle/tensor_rebuild.hpp>
 
 #include <torch/torch.h>
 

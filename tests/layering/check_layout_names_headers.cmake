@@ -1,0 +1,32 @@
+# Checks docs/layout.md names every header under include/trainloop (by its name without .hpp, as a
+# word), and that no two headers share a file name (two `checkpoint_shares.hpp` for different jobs
+# made a reader guess which was meant, issue 51).
+#
+#   cmake -DSOURCE_DIR=<repo> -P check_layout_names_headers.cmake
+file(READ ${SOURCE_DIR}/docs/layout.md layout)
+file(GLOB_RECURSE headers RELATIVE ${SOURCE_DIR}/include/trainloop ${SOURCE_DIR}/include/trainloop/*.hpp)
+list(SORT headers)
+set(missing "")
+set(seen "")
+set(repeated "")
+foreach(header IN LISTS headers)
+  get_filename_component(stem ${header} NAME_WE)
+  if(NOT layout MATCHES "(^|[^A-Za-z0-9_])${stem}([^A-Za-z0-9_]|$)")
+    list(APPEND missing ${header})
+  endif()
+  list(FIND seen ${stem} at)
+  if(at GREATER -1)
+    list(APPEND repeated ${header})
+  endif()
+  list(APPEND seen ${stem})
+endforeach()
+list(LENGTH headers count)
+if(missing)
+  string(REPLACE ";" "\n  " list "${missing}")
+  message(FATAL_ERROR "docs/layout.md does not name these headers:\n  ${list}\nexpected every one of the ${count} headers named where its folder is described")
+endif()
+if(repeated)
+  string(REPLACE ";" "\n  " list "${repeated}")
+  message(FATAL_ERROR "these headers share a file name with another header:\n  ${list}\nexpected one header per name")
+endif()
+message(STATUS "docs/layout.md names all ${count} headers; no two share a name")
