@@ -62,7 +62,7 @@ class ShardedState {
     units_ = std::move(units);
   }
 
-  State state() const { return state_; }
+  State state() const { return state_; }  ///< where this rank's sharded state is (the file comment)
   /// Whether this rank holds only its share of the optimizer state (laid out, by a fit or a load).
   bool holds_share() const { return state_ == State::LaidOutByLoad || state_ == State::InUse; }
   /// This rank's pieces and their optimizer state (holds_share() only).
