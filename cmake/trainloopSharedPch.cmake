@@ -100,9 +100,11 @@ function(trainloop_add_shared_pch)
 endfunction()
 
 # Makes `target` (a program of trainloop's own build that links trainloop::trainloop) reuse the
-# shared PCH.
+# shared PCH, unless its directory compiles at another level than the PCH
+# (`trainloop_without_shared_pch`, set by trainloop_use_examples_optimization: the top-level
+# CMakeLists.txt says why).
 function(trainloop_use_shared_pch target)
-  if(NOT TARGET trainloop_shared_pch)
+  if(NOT TARGET trainloop_shared_pch OR trainloop_without_shared_pch)
     return()
   endif()
   target_link_libraries(${target} PRIVATE trainloop_warnings)
