@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
   std::string comm_hook = "none";
   bool zero = false;
   std::string sharding = "none";
+  bool elastic = false;
+  app.add_flag("--elastic", elastic, "ddp: when a rank other than 0 dies (killed, crashed), the others regroup and "
+               "go on from the newest step one of them committed, without a restart (docs/elastic.md)");
   app.add_flag("--zero", zero, "ddp: ZeRO-1, each rank keeps the optimizer state of about 1/procs of the parameters "
                "(the same as --sharding optimizer)");
   app.add_option("--sharding", sharding, "ddp, fsdp: what each rank keeps only 1/procs of: none, optimizer (ZeRO-1, "
@@ -114,7 +117,7 @@ int main(int argc, char** argv) {
     trainloop::gpu_mode::Any mode =
         trainloop::mode_from_flags(trainloop::ModeFlags{.gpu_mode = gpu_mode, .device = device, .procs = procs,
                                                         .replicas = replicas, .comm_hook = comm_hook, .zero = zero,
-                                                        .sharding = sharding, .extra = {}});
+                                                        .sharding = sharding, .elastic = elastic, .extra = {}});
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;

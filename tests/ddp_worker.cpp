@@ -7,12 +7,14 @@
 //
 // Scenarios: train (equivalence), accumulate, twofits, eval97, eval99, throw, sigkill, segv,
 // exit0, checkpoint_error, bad_label, oom, retry_after_oom, long, sigchld_ignored, sigchld_handler,
-// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, sharded_model_changes
+// throw_before_fit, lr_between_fits, evaluate_everywhere, two_loops, stop_on_rank1, sharded_model_changes,
+// slow (a rank slowed in one part of its steps: TL_TEST_SLOW, TL_TEST_STEPS)
 // (joined ranks), ckpt (checkpoints, resume
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 or
 // TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>), TL_TEST_CLIP_PERCENT=N and
-// TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook).
+// TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook; TL_TEST_ELASTIC=1 and
+// TL_TEST_TRAIN_SAMPLES=N for elastic training).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -44,6 +46,15 @@ int own_rank() {
   }
   return -1;
 }
+
+/// Sleeps before each micro-batch's forward: the step's input part (its phase is still loading).
+struct SleepBeforeForward : tl::Callback {
+  explicit SleepBeforeForward(std::chrono::milliseconds p) : pause(p) {}
+  void on_train_batch(tl::TrainState&, torch::Tensor&, torch::Tensor&) override {
+    std::this_thread::sleep_for(pause);
+  }
+  std::chrono::milliseconds pause;
+};
 
 /// Fails one rank on purpose, from inside training.
 struct FailOnRank : tl::Callback {
@@ -230,6 +241,10 @@ int main(int argc, char** argv) {
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
       mode.zero(env_number("TL_TEST_ZERO", 0) != 0);
+      // TL_TEST_ELASTIC=1: a lost rank's survivors go on (test_elastic; TRAINLOOP_TEST_KILL_AT kills one).
+      mode.elastic(env_number("TL_TEST_ELASTIC", 0) != 0);
+      // TL_TEST_TRAIN_SAMPLES: the same data whatever the world size (a run resumed on fewer ranks).
+      if (const int64_t samples = env_number("TL_TEST_TRAIN_SAMPLES", 0)) train_size = samples;
       if (const char* level = std::getenv("TL_TEST_SHARDING")) {  // optimizer: ddp's zero; gradients, full: fsdp
         const tl::distributed::Sharding sharding = tl::distributed::sharding_named(level);
         if (sharding == tl::distributed::Sharding::Optimizer) mode.zero(true);
@@ -334,8 +349,32 @@ int main(int argc, char** argv) {
     }
 
     if (std::holds_alternative<tl::gpu_mode::Single>(chosen.get())) chosen = mode;
-    tl::TrainLoop<Mlp, tl::gpu_mode::Any> loop(net, train, val, trained_optimizer, torch::nn::CrossEntropyLoss(),
-                                               options, chosen);
+    tl::Criterion criterion = torch::nn::CrossEntropyLoss();
+    if (scenario == "slow") {
+      // test_stall_watchdog's stragglers: TL_TEST_SLOW=<rank>:<input|forward|backward>:<ms> sleeps that
+      // long per micro-batch in that part of the step on that rank (none: a clean run);
+      // TL_TEST_STEPS steps of one epoch.
+      const std::string slow = std::getenv("TL_TEST_SLOW") ? std::getenv("TL_TEST_SLOW") : "";
+      const int slow_rank = slow.empty() ? -1 : std::stoi(slow.substr(0, slow.find(':')));
+      const std::string part = slow.empty() ? "" : slow.substr(slow.find(':') + 1, slow.rfind(':') - slow.find(':') - 1);
+      const auto pause = std::chrono::milliseconds(slow.empty() ? 0 : std::stoi(slow.substr(slow.rfind(':') + 1)));
+      const bool mine = slow_rank >= 0 && own_rank() == slow_rank;
+      train = make_data(4 * total_world * env_number("TL_TEST_STEPS", 40), 1);
+      if (mine && part == "input") callbacks.push_back(std::make_shared<SleepBeforeForward>(pause));
+      if (mine && part == "forward") {
+        criterion = [pause](const torch::Tensor& output, const torch::Tensor& target) {
+          std::this_thread::sleep_for(pause);
+          return torch::nn::functional::cross_entropy(output, target);
+        };
+      }
+      if (mine && part == "backward") {
+        net->fc1->weight.register_hook([pause](torch::Tensor gradient) {
+          std::this_thread::sleep_for(pause);
+          return gradient;
+        });
+      }
+    }
+    tl::TrainLoop<Mlp, tl::gpu_mode::Any> loop(net, train, val, trained_optimizer, criterion, options, chosen);
     tl::EvalResult before;
     if (scenario == "lr_between_fits") before = loop.evaluate(val);
     if (scenario == "sync_bn") {  // test_recipe: BatchNorm over the global batch (TL_TEST_SYNC_BN=0: per rank)
@@ -411,6 +450,10 @@ int main(int argc, char** argv) {
           << std::accumulate(history.last().optimizer_state_bytes_by_rank.begin(),
                              history.last().optimizer_state_bytes_by_rank.end(), int64_t{0})
           << "\noptimizer_state_ranks " << history.last().optimizer_state_bytes_by_rank.size() << "\n";
+      for (const auto& epoch : history.epochs) {  // every epoch's count and loss (test_elastic)
+        out << "epoch" << epoch.epoch << "_samples " << epoch.samples << "\nepoch" << epoch.epoch << "_loss "
+            << epoch.train_loss << "\nepoch" << epoch.epoch << "_accuracy " << epoch.train_metrics.at("accuracy") << "\n";
+      }
     }
     return 0;
   } catch (const c10::OutOfMemoryError& e) {

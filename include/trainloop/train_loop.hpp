@@ -161,6 +161,9 @@ class TrainLoop {
       actions.save = [&](const std::filesystem::path& path, bool writes) {
         runner().save_checkpoint(mode_engine, detail::keyed_callbacks(callbacks), path, writes);
       };
+      actions.save_committed = [&](const std::filesystem::path& path) {
+        runner().save_committed(mode_engine, detail::keyed_callbacks(callbacks), path);
+      };
       actions.load = [&](const std::filesystem::path& path) {
         runner().load_checkpoint(mode_engine, path, detail::keyed_callbacks(callbacks), /*restore_rng=*/true);
         return progress_.visible_history();

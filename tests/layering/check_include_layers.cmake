@@ -40,6 +40,9 @@ set(layers
   # The stall watchdog: publishes the beacon through the store, reports as a failed rank does.
   "distributed/watch=105"
   "distributed/zero=110" "distributed/spawn=110"
+  # Elastic training: the survivors of a lost rank regroup (comm, watch) and resume the loop's
+  # fit (engine's FitActions) from the newest step one of them committed.
+  "distributed/elastic=115"
   "distributed/ddp=120"
   "gpu_mode=130"
   "train_loop.hpp=140"

@@ -12,6 +12,7 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <system_error>
 
 namespace trainloop::detail {
 
@@ -63,6 +64,10 @@ inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
     }
     if (!(any_rank ? any_rank(failure != nullptr) : failure != nullptr)) {
       if (is_main && resume.announce) std::cerr << "trainloop: resumed from " << resume.candidates[i].string() << '\n';
+      if (resume.consume) {
+        std::error_code ignored;  // a file of this process only: nothing to report if it is gone
+        std::filesystem::remove(resume.candidates[i], ignored);
+      }
       return true;
     }
     if (reason.empty()) {

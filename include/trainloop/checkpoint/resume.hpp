@@ -64,6 +64,7 @@ struct ResumeSpec {
   bool fall_back = false;                         ///< an unreadable candidate is skipped (with a warning)
   std::string description;                        ///< what was asked for, for messages
   bool announce = true;                           ///< say on stderr which checkpoint was resumed
+  bool consume = false;                           ///< remove the file once loaded (elastic training's hand-off)
 };
 
 /// How often the job was restarted after a failure: trainloop's launcher (max_restarts) or

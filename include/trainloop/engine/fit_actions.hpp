@@ -22,6 +22,10 @@ struct FitActions {
   std::function<void(const std::filesystem::path&, bool writes)> save;
   /// Loads a checkpoint into the loop (this rank's random stream included); returns the History.
   std::function<History(const std::filesystem::path&)> load;
+  /// Writes a checkpoint of the loop from this process alone, with every rank's random stream
+  /// and epoch sums from the engine's last step commit (elastic training's hand-off to the
+  /// survivors of a lost rank: engine/step_commit.hpp). No collective.
+  std::function<void(const std::filesystem::path&)> save_committed;
 };
 
 }  // namespace trainloop::detail

@@ -64,6 +64,10 @@ struct DistributedDataParallel : MultiProcess<DistributedDataParallel> {
     validate_processes();
     TRAINLOOP_CHECK(first_bucket_cap_bytes_ > 0 && bucket_cap_bytes_ > 0, "bucket caps are ", first_bucket_cap_bytes_,
                     " and ", bucket_cap_bytes_, " bytes; expected positive sizes");
+    TRAINLOOP_CHECK(!elastic() || !zero_, "elastic training with zero(true); expected ZeRO off: a lost rank's optimizer "
+                    "shard is not yet rebuilt from a neighbour's copy in this release (docs/elastic.md)");
+    TRAINLOOP_CHECK(!elastic() || !comm_hook_, "elastic training with a comm hook; expected none: a hook's per-rank "
+                    "state (PowerSGD's error feedback) does not survive a regroup in this release (docs/elastic.md)");
   }
 };
 
@@ -127,7 +131,10 @@ class DistributedDataParallelEngine : public RankEngine<Module, gpu_mode::Distri
     if (reducer_ && trainable_set_changed()) build_reducer();  // frozen or unfrozen since (finetune/freeze.hpp)
     if (reducer_) reducer_->set_sync(synchronize);
   }
-  void before_optimizer_step() { if (reducer_) reducer_->finalize(); }
+  void before_optimizer_step() {
+    if (reducer_) reducer_->finalize();
+    this->commit_step();  // elastic training: the reduced step committed (gpu_mode/rank_engine.hpp)
+  }
   /// After finalize() every rank holds the same all-reduced gradients. (With one rank there is no
   /// reducer, and any_rank() costs nothing anyway.)
   bool gradients_agree() const { return reducer_.has_value(); }

@@ -5,7 +5,7 @@
 /// `--comm-hook` (how DDP's gradients travel), `--zero` (DDP's optimizer state sharded),
 /// `--sharding none|optimizer|gradients|full` (what each rank keeps 1/W of;
 /// distributed/zero/sharding.hpp: gradients and full are FullyShardedDataParallel, also when
-/// spelled `--gpu-mode ddp --sharding full`).
+/// spelled `--gpu-mode ddp --sharding full`), `--elastic` (a lost rank's survivors go on: ddp).
 ///
 /// @code
 /// trainloop::ModeFlags flags;            // filled by your command-line parser (CLI11, ...)
@@ -39,6 +39,7 @@ struct ModeFlags {
   std::string comm_hook = "none";   ///< ddp: how gradients travel: none, fp16, bf16, powersgd[:RANK] (comm_hook_named)
   bool zero = false;                ///< ddp: ZeRO-1, the optimizer state sharded over the ranks
   std::string sharding = "none";    ///< none, optimizer (ddp with ZeRO-1), gradients or full (fsdp); fsdp's "none" is full
+  bool elastic = false;             ///< ddp, fsdp: survive a lost rank in place (gpu_mode::MultiProcess::elastic)
   std::map<std::string, std::string> extra = {};  ///< a user's mode's own flags, by name (read by its apply_mode_flags)
 };
 
@@ -63,7 +64,7 @@ inline void apply_mode_flags(DataParallel& mode, const ModeFlags& flags) {
 /// @brief The processes of a multi-process mode: `procs` on the flags' device type.
 template <class Mode>
 void apply_process_flags(MultiProcess<Mode>& mode, const ModeFlags& flags) {
-  mode.device_type(device_of_flags(flags).type()).procs_per_node(flags.procs);
+  mode.device_type(device_of_flags(flags).type()).procs_per_node(flags.procs).elastic(flags.elastic);
 }
 /// @brief gpu_mode::DistributedDataParallel: processes, comm hook, ZeRO-1.
 inline void apply_mode_flags(DistributedDataParallel& mode, const ModeFlags& flags) {
@@ -105,6 +106,8 @@ AnyMode mode_from_flags(const ModeFlags& flags) {
           "state over DDP's processes; fsdp shards it always) or ZeRO off");
   require(sharding == distributed::Sharding::None || name == "ddp" || name == "fsdp", "sharding", flags.sharding,
           "gpu mode ddp or fsdp (sharding splits the model over their processes) or sharding none");
+  require(!flags.elastic || name == "ddp" || name == "fsdp", "elastic", "on", "gpu mode ddp (a lost rank's "
+          "survivors regroup; one process, or dp's threads, have no rank to lose) or elastic off");
   require(sharding != distributed::Sharding::Optimizer || name == "ddp", "sharding", flags.sharding,
           "gpu mode ddp for sharding optimizer (ZeRO-1), or gradients or full with fsdp");
   std::visit(

@@ -71,6 +71,15 @@ class MultiProcess {
   /// times; the restarted ranks resume from the newest checkpoint of the ModelCheckpoint given to
   /// fit() (from the start of the fit() call when there is none yet).
   TRAINLOOP_MODE_ARG(int, max_restarts) = 0;
+  /// Elastic training (distributed/elastic/, docs/elastic.md): when a rank other than 0 is lost
+  /// (killed, crashed, its machine gone), the others abandon the step in flight, agree through
+  /// the store who is left, form a new group and go on from the newest step any of them
+  /// committed, resharding the data over the survivors: no restart, nothing read from the
+  /// checkpoints. Over Gloo, replicated state (ddp without ZeRO or a comm hook) in this release.
+  TRAINLOOP_MODE_ARG(bool, elastic) = false;
+  /// Elastic: how long a rank on another machine (whose process cannot be seen from here) has to
+  /// report after a loss before it counts as lost too.
+  TRAINLOOP_MODE_ARG(std::chrono::milliseconds, elastic_wait) = std::chrono::seconds(30);
 
  public:
   /// @brief The device type ranks train on, after applying the default.
@@ -87,7 +96,7 @@ class MultiProcess {
   distributed::LaunchOptions launch_options() const {
     distributed::LaunchOptions options(resolved_procs_per_node());
     options.nnodes(nnodes_).node_rank(node_rank_).master_addr(master_addr_).master_port(master_port_)
-        .grace_period(kill_grace_period_);
+        .grace_period(kill_grace_period_).elastic(elastic_);
     return options;
   }
   /// @brief Throws trainloop::Error naming the first shared setting out of range.
@@ -109,6 +118,13 @@ class MultiProcess {
     if (!gpus_.empty() && procs_per_node_ > 0)
       TRAINLOOP_CHECK(static_cast<int>(gpus_.size()) == procs_per_node_, "gpus lists ", gpus_.size(),
                       " devices but procs_per_node is ", procs_per_node_, "; expected one GPU per process");
+    TRAINLOOP_CHECK(!elastic_ || (backend_ == distributed::Backend::Gloo ||
+                                  (backend_ == distributed::Backend::Auto && resolved_device_type() != torch::kCUDA)),
+                    "elastic training with backend ", distributed::to_string(backend_), " on ",
+                    resolved_device_type() == torch::kCUDA ? "CUDA" : "the CPU",
+                    "; expected backend gloo: a lost rank's NCCL communicator is not aborted and re-created in this "
+                    "release");
+    TRAINLOOP_CHECK(elastic_wait_.count() > 0, "elastic_wait is ", elastic_wait_.count(), " ms; expected a positive time");
     TRAINLOOP_CHECK(resolved_procs_per_node() >= 1, "no CUDA device is visible, so no rank can be started; "
                                                     "expected device_type(torch::kCPU) or a visible GPU");
   }
@@ -129,6 +145,8 @@ class MultiProcess {
     kill_grace_period_ = other.kill_grace_period();
     broadcast_buffers_ = other.broadcast_buffers();
     max_restarts_ = other.max_restarts();
+    elastic_ = other.elastic();
+    elastic_wait_ = other.elastic_wait();
     return static_cast<Mode&>(*this);
   }
 };

@@ -24,9 +24,10 @@
 #include <trainloop/distributed/comm/model_sync.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/elastic/elastic_fit.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
-#include <trainloop/distributed/watch/stall_watchdog.hpp>
+#include <trainloop/distributed/watch/watchdog_start.hpp>
 #include <trainloop/distributed/zero/sharded_state.hpp>
 #include <trainloop/engine/fit_actions.hpp>
 #include <trainloop/engine/mode_engine.hpp>
@@ -65,8 +66,9 @@ class RankEngine {
 
   // ---- the mode interface -------------------------------------------------------------
   bool is_main() const { return rank() == 0; }
-  int64_t rank() const { return env_ ? env_->rank : 0; }
-  int64_t world_size() const { return env_ ? env_->world_size : 1; }
+  // The group's once joined: after a lost rank (elastic training) the survivors are renumbered.
+  int64_t rank() const { return group_ ? group_->rank() : env_ ? env_->rank : 0; }
+  int64_t world_size() const { return group_ ? group_->world_size() : env_ ? env_->world_size : 1; }
   torch::Device device() const { return device_; }
   DataShard data_shard() const { return {rank(), world_size()}; }
   void all_reduce_sum(torch::Tensor& tensor) {
@@ -102,16 +104,23 @@ class RankEngine {
     group_ = &distributed::session_process_group(options);
     // Every launcher's ranks pass here: spawned, torchrun, srun, mpirun.
     distributed::start_stall_watchdog(distributed::detail::session_group().options, *env_, mode_.stall_watch());
+    if (mode_.elastic()) distributed::elastic::make_job_group_elastic(*group_);
     if (!spawned()) {
       distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
       synced_since_join_ = true;
     }
   }
 
-  /// After every step: rank 0's buffers (BatchNorm's running statistics) to every rank.
+  /// After every step: rank 0's buffers (BatchNorm's running statistics) to every rank (with
+  /// elastic training the step's commit sent them: distributed/elastic/step_committer.hpp).
   void after_optimizer_step() {
-    if (!buffers_.empty() && mode_.broadcast_buffers()) group_->broadcast(buffers_, 0);
+    if (!buffers_.empty() && mode_.broadcast_buffers() && !commits_steps()) group_->broadcast(buffers_, 0);
   }
+
+  // ---- elastic training: step commits (engine/step_commit.hpp) -----------------------------
+  bool commits_steps() const { return mode_.elastic() && group_ != nullptr && group_->world_size() > 1; }
+  void stage_step_totals(const torch::Tensor& totals) { commits_.stage(totals); }
+  std::optional<CommittedRows> committed_rows() const { return commits_.rows(); }
   /// Zeroes the gradients keeping their tensors (in libtorch 2.x too, whose default sets them to
   /// none): gradients kept as bucket views stay views.
   void zero_grad(torch::optim::Optimizer& optimizer) { zero_grad_in_place(optimizer); }
@@ -159,8 +168,22 @@ class RankEngine {
       spawn.max_restarts = mode_.max_restarts();
       return distributed::launch_spawned_fit(actions, mode_.launch_options(), spawn);
     }
-    if (env_->source != distributed::RankEnvSource::Trainloop) return actions.train(resume);
-    return distributed::run_spawned_rank_fit(*env_, fit_index, actions, resume, [this] { barrier(); });
+    FitActions rank_actions = actions;
+    if (mode_.elastic()) {  // the fit survives a lost rank (distributed/elastic/elastic_fit.hpp)
+      rank_actions.train = [this, actions](const ResumeSpec& from) {
+        distributed::elastic::ElasticFitParts parts;
+        parts.env = &*env_;
+        parts.commits = &commits_;
+        parts.elastic_wait = mode_.elastic_wait();
+        parts.put_back_committed_state = [this] {
+          commits_.restore_buffers(module_->buffers());
+          for (auto& parameter : module_->parameters()) parameter.mutable_grad().reset();  // a step half done
+        };
+        return distributed::elastic::train_elastic(actions, from, parts);
+      };
+    }
+    if (env_->source != distributed::RankEnvSource::Trainloop) return rank_actions.train(resume);
+    return distributed::run_spawned_rank_fit(*env_, fit_index, rank_actions, resume, [this] { barrier(); });
   }
 
  protected:
@@ -174,6 +197,12 @@ class RankEngine {
     prepare();
     if (!spawned() && !std::exchange(synced_since_join_, false)) distributed::broadcast_module_state(*module_, *group_);
     if (group_->world_size() > 1) buffers_ = module_->buffers();
+    commits_.begin_fit();
+  }
+  /// Elastic training: the step's commit, once its gradients are reduced and before the optimizer
+  /// steps (a collective; nothing without elastic training or with one rank).
+  void commit_step() {
+    if (commits_steps()) commits_.commit(*group_, buffers_, mode_.broadcast_buffers());
   }
   /// What join_fit() listed, let go at the fit's end.
   void leave_fit() noexcept { buffers_.clear(); }
@@ -195,6 +224,7 @@ class RankEngine {
     return device;
   }
 
+  distributed::elastic::StepCommitter commits_;  // elastic training: this fit's step commits
   bool synced_since_join_ = false;      // prepare() broadcast rank 0's state and no fit has used that yet
   std::vector<torch::Tensor> buffers_;  // listed once per fit, broadcast after every step
 };

@@ -23,11 +23,13 @@
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optional_members.hpp>
+#include <trainloop/engine/step_commit.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/loop/sharded_checkpoint_io.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <torch/torch.h>
 
@@ -74,6 +76,7 @@ class CheckpointIO {
     progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
     // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
     const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
+    progress::test_kill_point(progress::KillPoint::Checkpoint);  // its peers are inside this checkpoint's collectives
     TrainingProgress snapshot = progress_;
     if (epoch_sums != nullptr && progress_.mid_epoch()) {
       snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums->packed_totals().to(torch::kCPU)));
@@ -114,6 +117,31 @@ class CheckpointIO {
                               }
                               write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header);
                             });
+  }
+
+  /// Writes a checkpoint of the loop from this process alone (elastic training's hand-off): the
+  /// model and optimizer state this process holds (replicated: every rank's), its progress and
+  /// callbacks, and every rank's random stream and partial epoch sums as the engine's last step
+  /// commit gathered them — what save() would have written at that step, with the world size
+  /// that committed it. No collective.
+  /// @throws trainloop::Error when the engine committed no step in this fit.
+  template <ModeEngine Engine>
+  void save_committed(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path) {
+    progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
+    const std::optional<CommittedRows> rows = committed_rows(engine);
+    TRAINLOOP_CHECK(rows.has_value() && !rows->rng.empty(), "save_committed() with no step committed in this fit; "
+                    "expected a step commit (elastic training) first");
+    TrainingProgress snapshot = progress_;
+    if (progress_.mid_epoch()) snapshot.partial_totals = torch::stack(rows->totals);
+    CheckpointHeader header;
+    header.trainloop_version = identity_.trainloop_version;
+    header.mode = identity_.mode;
+    header.world_size = rows->world_size;
+    header.batch_size = options_.batch_size();
+    torch::serialize::OutputArchive optimizer_state;
+    save_optimizer_state(optimizer_, optimizer_state);
+    nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
+    write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rows->rng, header);
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random

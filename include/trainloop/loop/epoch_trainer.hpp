@@ -17,6 +17,7 @@
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optimizer_step.hpp>
+#include <trainloop/engine/step_commit.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/loop/batch_memory_format.hpp>
 #include <trainloop/loop/epoch_batch_plan.hpp>
@@ -29,6 +30,7 @@
 #include <trainloop/options.hpp>
 #include <trainloop/precision/autocast.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <torch/torch.h>
 
@@ -208,6 +210,7 @@ class EpochTrainer {
                       device = engine.device()](Module& replica, const Batch& b) {
         AutocastGuard autocast(options_.precision(), device);  // in the replica's own thread
         progress::progress_beacon().set_phase(progress::Phase::Forward);
+        progress::test_kill_point(progress::KillPoint::Forward);
         StepOutput out = forward_batch(replica, batch_in_memory_format(b, channels_last), criterion_, first);
         progress::progress_beacon().set_phase(progress::Phase::Backward);  // what every engine does next
         return out;
@@ -246,6 +249,8 @@ class EpochTrainer {
                                                    cb.on_before_optimizer_step(run.state);
                                                  });
                                                }};
+    // Elastic training: the step's commit gathers every rank's sums with the streams (engine/step_commit.hpp).
+    if (commits_steps(engine)) stage_step_totals(engine, run.epoch_sums->packed_totals());
     pass.last_step = run_optimizer_step(engine, request);
     if (run.scaler) {
       state.skipped_steps = run.scaler->skipped_steps();

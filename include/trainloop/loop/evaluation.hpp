@@ -22,6 +22,7 @@
 #include <trainloop/model_contract.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 #include <trainloop/precision/autocast.hpp>
 
 #include <torch/torch.h>
@@ -73,6 +74,7 @@ EvalResult evaluate_dataset(Engine& engine, Module& module_, const data::AnyData
   if (!evaluates_in_lockstep(engine)) unshard_parameters(engine);
   const bool was_training = module_.is_training();
   module_.eval();
+  progress::test_kill_point(progress::KillPoint::Evaluation);
   MetricAccumulator sums(options_.metrics(), engine.device());
   auto indices = shard_indices(dataset.size(), engine.data_shard(), false, options_, 0);
   const int64_t own_batches = evaluation_batches(indices.size(), options_.effective_eval_batch_size());

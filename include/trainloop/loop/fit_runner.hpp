@@ -149,6 +149,13 @@ class FitRunner {
     checkpoints_.save(engine, callbacks, path, writes, run_ && run_->epoch_sums ? &*run_->epoch_sums : nullptr);
   }
 
+  /// Writes a checkpoint of the loop from this process alone, every rank's streams and sums from
+  /// the engine's last step commit (FitActions::save_committed).
+  template <ModeEngine Engine>
+  void save_committed(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path) {
+    checkpoints_.save_committed(engine, callbacks, path);
+  }
+
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
   /// stream when `restore_rng`). Every rank reads the file itself.
   template <ModeEngine Engine>

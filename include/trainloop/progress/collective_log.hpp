@@ -134,6 +134,15 @@ class CollectiveLog {
     return 0;
   }
 
+  /// Numbers collectives from 1 again: the survivors of a lost rank regroup (elastic training),
+  /// and the new group's ranks compare their calls from its first one.
+  void restart() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ring_ = {};
+    issued_ = 0;
+    waiting_seq_ = 0;
+  }
+
   /// Collectives issued so far.
   std::uint64_t issued() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -169,7 +178,17 @@ class CollectiveLog {
   /// progress while a thread waits.)
   void end_wait(std::uint64_t seq) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (waiting_seq_ == seq) waiting_seq_ = 0;
+    if (waiting_seq_ == seq) {
+      waiting_seq_ = 0;
+      waited_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waiting_since_)
+                        .count();
+    }
+  }
+  /// Nanoseconds spent blocked in collectives since the last call (the beacon subtracts them from
+  /// the phase they fell in: a rank's own work, not the wait for slower ones, is what is compared).
+  std::int64_t take_waited_ns() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(waited_ns_, 0);
   }
   /// What a blocked thread waits for: its collective's number (0: none), what, and since when.
   struct Waiting {
@@ -228,6 +247,7 @@ class CollectiveLog {
   std::uint64_t waiting_seq_ = 0;
   const char* waiting_what_ = "";
   std::chrono::steady_clock::time_point waiting_since_{};
+  std::int64_t waited_ns_ = 0;
   mutable std::mutex explainer_mutex_;
   FailureExplainer explainer_;
 };

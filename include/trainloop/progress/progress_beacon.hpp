@@ -15,6 +15,7 @@
 #include <trainloop/progress/thread_registry.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <utility>
 
 namespace trainloop::progress {
 
@@ -66,6 +68,27 @@ inline bool is_checkpoint_phase(Phase phase) {
   return phase == Phase::CheckpointWrite || phase == Phase::CheckpointRead || phase == Phase::MainOnlyCallback;
 }
 
+/// The parts of a training step whose time ranks compare to name a straggler (the stall
+/// watchdog's straggler check): waiting for the input, forward, backward, the optimizer step.
+inline constexpr int kStepParts = 4;
+
+/// The step part `phase` belongs to, -1 for none.
+inline int step_part_of(Phase phase) {
+  switch (phase) {
+    case Phase::LoadingBatch: return 0;
+    case Phase::Forward: return 1;
+    case Phase::Backward: return 2;
+    case Phase::OptimizerStep: return 3;
+    default: return -1;
+  }
+}
+
+/// A step part in words, as the straggler line prints it.
+inline const char* step_part_name(int part) {
+  static const char* const names[kStepParts] = {"input", "forward", "backward", "optimizer"};
+  return part >= 0 && part < kStepParts ? names[part] : "unknown";
+}
+
 /// What the beacon holds at one moment (ProgressBeacon::snapshot()).
 struct ProgressSnapshot {
   std::uint64_t progress = 0;     ///< changes whenever the process does something new
@@ -77,6 +100,9 @@ struct ProgressSnapshot {
   std::string detail;             ///< e.g. the callback's name and hook, "batch 3 of 40"
   std::int64_t steps_timed = 0;   ///< steps whose duration was measured in this process
   double slowest_step_seconds = 0.0;  ///< the longest of them (after the first, which compiles and warms up)
+  /// Seconds this process spent in each step part so far (step_part_name), its waits in
+  /// collectives left out: its own work and its wait for input.
+  double part_seconds[kStepParts] = {};
 };
 
 /// The process's progress. One per process (progress_beacon()); every setter is safe from any thread.
@@ -92,7 +118,20 @@ class ProgressBeacon {
       std::lock_guard<std::mutex> lock(detail_mutex_);
       std::snprintf(detail_, kDetailBytes, member != nullptr ? "%s::%s" : "%s", detail != nullptr ? detail : "",
                     member != nullptr ? member : "");
-      phase_.store(static_cast<std::uint8_t>(phase), std::memory_order_relaxed);
+      const Phase left = static_cast<Phase>(phase_.exchange(static_cast<std::uint8_t>(phase), std::memory_order_relaxed));
+      // The time of the part just left, less the collective waits in it: one clock read per phase
+      // change (a few per step), for the straggler check.
+      const std::int64_t now = now_ns();
+      const std::int64_t since = std::exchange(phase_since_ns_, now);
+      const std::int64_t waited = collectives_.take_waited_ns();
+      // A callback's time belongs to the part it interrupted (a slow on_train_batch is input).
+      const bool callback = left == Phase::Callback || left == Phase::MainOnlyCallback;
+      if (const int part = callback ? enclosing_part_ : step_part_of(left); part >= 0 && since != 0) {
+        part_ns_[part].fetch_add(std::max<std::int64_t>(0, now - since - waited), std::memory_order_relaxed);
+      }
+      if (step_part_of(phase) >= 0 || (phase != Phase::Callback && phase != Phase::MainOnlyCallback)) {
+        enclosing_part_ = step_part_of(phase);
+      }
     }
     advance();
   }
@@ -160,6 +199,9 @@ class ProgressBeacon {
     }
     s.steps_timed = steps_timed_.load(std::memory_order_relaxed);
     s.slowest_step_seconds = static_cast<double>(slowest_step_ns_.load(std::memory_order_relaxed)) * 1e-9;
+    for (int part = 0; part < kStepParts; ++part) {
+      s.part_seconds[part] = static_cast<double>(part_ns_[part].load(std::memory_order_relaxed)) * 1e-9;
+    }
     return s;
   }
 
@@ -184,6 +226,9 @@ class ProgressBeacon {
   std::atomic<std::int64_t> last_step_ns_{0};
   std::atomic<std::int64_t> slowest_step_ns_{0};
   std::atomic<std::int64_t> steps_timed_{0};
+  std::array<std::atomic<std::int64_t>, kStepParts> part_ns_{};  // time per step part, waits left out
+  std::int64_t phase_since_ns_ = 0;                               // when the phase began (under detail_mutex_)
+  int enclosing_part_ = -1;                                       // the step part a callback interrupts (same)
   mutable std::mutex detail_mutex_;
   char detail_[kDetailBytes] = {};
   CollectiveLog collectives_;

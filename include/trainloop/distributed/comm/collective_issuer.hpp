@@ -8,6 +8,7 @@
 /// collective_failure.hpp.
 
 #include <trainloop/detail/torch_compat.hpp>
+#include <trainloop/distributed/comm/abandonable_wait.hpp>
 #include <trainloop/distributed/comm/collective_failure.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/error.hpp>
@@ -136,6 +137,12 @@ class CollectiveIssuer {
       std::uint64_t seq;
       ~EndWait() { log.end_wait(seq); }
     } end_wait{log, seq};
+    // Elastic training: a wait on a group that lost a rank is abandoned (abandonable_wait.hpp).
+    if (!wait_unless_abandoned(work, current_abandon_probe())) {
+      throw CommunicationError(::trainloop::detail::concat(
+          "trainloop: rank ", rank_, " stopped waiting for its ", what, " (", world_size_,
+          " ranks): a rank of the group was lost, and the survivors regroup (elastic training)"));
+    }
     try {
       work->wait();
     } catch (...) {

@@ -54,9 +54,25 @@ class ProcessGroup {
     validate(options);
     ProcessGroup group;
     const Backend backend = resolve_backend(options);
-    group.store_ = c10::make_intrusive<::c10d::PrefixStore>(options.store_prefix, connect_store(options));
+    group.base_store_ = connect_store(options);
+    group.store_ = c10::make_intrusive<::c10d::PrefixStore>(options.store_prefix, group.base_store_);
     group.issuer_ = detail::CollectiveIssuer(options.rank, options.world_size, backend, options.device, options.timeout,
                                              make_backend(backend, options, group.store_));
+    return group;
+  }
+
+  /// A new group over this group's store, with `options`' rank, world size, prefix (a fresh one:
+  /// keys of this group must not be read) and timeout; the backend's rendezvous runs with the
+  /// other ranks that call it. This group is left as it is (elastic training's survivors regroup
+  /// while operations of the old group may still be blocked: distributed/elastic/regroup.hpp).
+  ProcessGroup regroup(const ProcessGroupOptions& options) const {
+    TRAINLOOP_CHECK(valid(), "regroup() of an empty process group; expected one made by create()");
+    validate(options);
+    ProcessGroup group;
+    group.base_store_ = base_store_;
+    group.store_ = c10::make_intrusive<::c10d::PrefixStore>(options.store_prefix, base_store_);
+    group.issuer_ = detail::CollectiveIssuer(options.rank, options.world_size, backend(), options.device, options.timeout,
+                                             make_backend(backend(), options, group.store_));
     return group;
   }
 
@@ -76,6 +92,8 @@ class ProcessGroup {
   const c10::intrusive_ptr<::trainloop::detail::CollectiveBackend>& native() const { return issuer_.native(); }
   /// The (prefixed) store, e.g. for small key/value exchanges.
   const c10::intrusive_ptr<::c10d::Store>& store() const { return store_; }
+  /// The job's store without this group's prefix (shared by every group regroup() makes).
+  const c10::intrusive_ptr<::c10d::Store>& job_store() const { return base_store_; }
 
   /// Sums `tensor` over all ranks, in place. Any device, layout or dtype the backend supports;
   /// non-contiguous or off-device tensors are staged through a temporary.
@@ -262,6 +280,7 @@ class ProcessGroup {
 
   detail::CollectiveIssuer issuer_;  // rank, world size, backend, device, timeout; issues and waits
   c10::intrusive_ptr<::c10d::Store> store_;
+  c10::intrusive_ptr<::c10d::Store> base_store_;  // the job's store: TCPStore (its server on rank 0)
 };
 
 }  // namespace trainloop::distributed

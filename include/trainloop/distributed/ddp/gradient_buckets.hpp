@@ -10,6 +10,7 @@
 #include <trainloop/distributed/ddp/gradient_comm_hook.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/progress/collective_log.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
@@ -206,6 +207,8 @@ struct ReducerState {
         step_bytes_sent += sent;
       }
       launch_order.push_back(next_to_launch);
+      // Tests kill a rank here: its peers are inside this bucket's all-reduce (test_kill_point.hpp).
+      if (launch_order.size() == 1) progress::test_kill_point(progress::KillPoint::Backward);
       launched_from_hooks += from_hook ? 1 : 0;
       ++allreduce_count;
       ++next_to_launch;

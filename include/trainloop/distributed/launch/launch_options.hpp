@@ -52,6 +52,9 @@ struct LaunchOptions {
   /// Count a rank that exits 0 without having called report_rank_completed() as failed: it
   /// ended (e.g. the program called exit(0)) while the others still needed it. DDP sets this.
   TORCH_ARG(bool, require_completion) = false;
+  /// Elastic training (distributed/elastic/): a rank other than 0 that ends does not stop the
+  /// others, which regroup and go on; the launch succeeds when every other rank completes.
+  TORCH_ARG(bool, elastic) = false;
   /// Program to run; the default re-executes this very binary.
   TORCH_ARG(std::string, executable) = "/proc/self/exe";
   /// Arguments including argv[0]; empty means this process's own, from /proc/self/cmdline.

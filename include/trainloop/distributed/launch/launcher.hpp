@@ -48,6 +48,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
+#include <iostream>
 #include <optional>
 #include <spawn.h>
 #include <string>
@@ -153,6 +154,7 @@ inline void Launcher::remove_run_dir() noexcept {
     std::filesystem::remove_all(run_dir_, ignored);
     created_run_dir_ = false;
   }
+  if (options_.elastic()) remove_elastic_hand_off_files(::getpid());
 }
 
 inline std::vector<std::string> Launcher::child_environment(int local_rank) const {
@@ -302,8 +304,12 @@ inline const std::vector<RankProcess>& Launcher::launch() {
     std::vector<const RankProcess*> failed;
     bool any_running = false;
     for (auto& process : ranks_) {
-      if (reap(process, false) && !process.succeeded() && !process.stopped_by_launcher) {
-        failed.push_back(&process);
+      if (reap(process, false) && !process.succeeded() && !process.stopped_by_launcher && !process.lost) {
+        // Elastic training: the others regroup without it (distributed/elastic/) and name it.
+        process.lost = options_.elastic() && process.rank != 0;  // rank 0 holds the store
+        if (!process.lost) failed.push_back(&process);
+        if (process.lost) std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") "
+                                    << process.describe() << "; elastic training: the others go on without it\n";
       }
       any_running = any_running || process.running;
     }

@@ -145,6 +145,7 @@ struct RankProcess {
   int exit_code = -1;                   ///< exit status when it exited normally, else -1
   int signal = 0;                       ///< terminating signal when killed, else 0
   bool stopped_by_launcher = false;     ///< it was still running when the launcher stopped all
+  bool lost = false;                    ///< elastic training: it ended and the other ranks went on
   double wall_seconds = 0.0;            ///< spawn to reap
   std::chrono::steady_clock::time_point started{};  ///< when it was spawned
 

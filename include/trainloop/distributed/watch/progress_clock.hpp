@@ -69,6 +69,8 @@ class ProgressClock {
     r.waiting_what = waiting.what;
     r.waiting_seconds = waiting.seconds;
     r.calls = beacon.collectives().recent(RankRecord::kCalls);
+    r.steps_timed = s.steps_timed;
+    for (int part = 0; part < progress::kStepParts; ++part) r.part_seconds[part] = s.part_seconds[part];
     return r;
   }
 

@@ -36,6 +36,8 @@ struct RankRecord {
   std::string waiting_what;        ///< what that wait is for
   double waiting_seconds = 0.0;    ///< for how long
   std::vector<progress::CollectiveCall> calls;  ///< its last collectives, oldest first
+  std::int64_t steps_timed = 0;    ///< steps it completed in this process (the straggler check's count)
+  double part_seconds[progress::kStepParts] = {};  ///< its time per step part so far, collective waits left out
   bool missing = false;            ///< not published: the rank never published a record (not in the text)
 
   /// Calls published per record.
@@ -76,7 +78,10 @@ struct RankRecord {
         << "\nstep " << step << "\nbatch " << batch << "\nbatches " << batches << "\nphase "
         << static_cast<int>(phase) << "\ndetail " << one_line(detail) << "\nissued " << issued << "\nwaiting_seq "
         << waiting_seq << "\nwaiting_what " << one_line(waiting_what) << "\nwaiting_seconds " << waiting_seconds
-        << "\n";
+        << "\nsteps_timed " << steps_timed << "\nparts";
+    out.precision(6);
+    for (double seconds : part_seconds) out << ' ' << seconds;
+    out << "\n";
     for (const auto& c : calls) {
       out << "call " << c.seq << ' ' << static_cast<int>(c.kind) << ' ' << (c.dtype.empty() ? "-" : c.dtype) << ' '
           << c.numel << ' ' << c.root << ' ' << c.step << ' ' << one_line(c.label) << "\n";
@@ -111,6 +116,11 @@ struct RankRecord {
       else if (name == "waiting_seq") r.waiting_seq = std::strtoull(v, nullptr, 10);
       else if (name == "waiting_what") r.waiting_what = value;
       else if (name == "waiting_seconds") r.waiting_seconds = std::atof(v);
+      else if (name == "steps_timed") r.steps_timed = std::atoll(v);
+      else if (name == "parts") {
+        std::istringstream fields(value);
+        for (double& seconds : r.part_seconds) fields >> seconds;
+      }
       else if (name == "call") {
         std::istringstream fields(value);
         progress::CollectiveCall c;

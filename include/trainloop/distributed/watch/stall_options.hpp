@@ -22,6 +22,18 @@ enum class StallAction {
   Report  ///< report once per stall and keep waiting (the collective timeout stays the last resort)
 };
 
+/// When a rank counts as a straggler (straggler_watch.hpp; TRAINLOOP_STRAGGLER overrides): it
+/// trails the others' own time per step (collective waits left out) by at least `least_excess` and
+/// `least_fraction` of theirs in `readings` readings in a row (one a watchdog period, 0.2 s here).
+/// Chosen from measurements on clean runs (docs/modes-and-launching.md, "A rank that is slow").
+struct StragglerOptions {
+  bool enabled = true;                                   ///< false: nobody is named
+  std::chrono::milliseconds least_excess{25};            ///< a straggler trails by at least this per step...
+  double least_fraction = 0.2;                           ///< ...and by this fraction of the others' time per step
+  int readings = 3;                                      ///< in this many readings in a row
+  std::chrono::seconds repeat_after{60};                 ///< named again at most this often while it lasts
+};
+
 /// When a rank counts as stalled: no progress for limit_for() seconds while another rank waits
 /// for it. The defaults suit long jobs: 60 s, or 10 times the slowest step if that is longer,
 /// five times that until 2 steps have completed (compiling, allocating, warming caches), and 5
@@ -37,6 +49,7 @@ struct StallWatchOptions {
   double grace_factor = 5.0;                                ///< ...this many times longer
   std::chrono::milliseconds checkpoint_limit = std::chrono::minutes(5);  ///< the limit while a checkpoint is written or read
   StallAction action = StallAction::Fail;                   ///< what happens then
+  StragglerOptions straggler = {};                          ///< when a slow (not stalled) rank is named
 
   /// The limit for a rank in its current phase, after `steps_timed` steps of which the slowest
   /// took `slowest_step` seconds, with collectives that time out after `timeout`.
@@ -84,7 +97,8 @@ inline std::optional<std::chrono::milliseconds> env_seconds(const char* name, co
 }  // namespace detail
 
 /// `options` with the environment's overrides: TRAINLOOP_STALL_LIMIT (seconds, or "off"),
-/// TRAINLOOP_STALL_ACTION ("fail" or "report"), TRAINLOOP_STALL_CHECKPOINT_LIMIT (seconds).
+/// TRAINLOOP_STALL_ACTION ("fail" or "report"), TRAINLOOP_STALL_CHECKPOINT_LIMIT (seconds),
+/// TRAINLOOP_STRAGGLER ("off", or the least excess per step in milliseconds).
 /// @throws trainloop::ConfigurationError naming a variable whose value is not one of those.
 inline StallWatchOptions stall_options_from_environment(StallWatchOptions options) {
   using ::trainloop::detail::env_string;
@@ -103,6 +117,16 @@ inline StallWatchOptions stall_options_from_environment(StallWatchOptions option
   }
   if (auto text = env_string("TRAINLOOP_STALL_CHECKPOINT_LIMIT")) {
     options.checkpoint_limit = *detail::env_seconds("TRAINLOOP_STALL_CHECKPOINT_LIMIT", *text);
+  }
+  if (auto text = env_string("TRAINLOOP_STRAGGLER")) {  // "off", or the least excess in milliseconds
+    options.straggler.enabled = *text != "off";
+    if (options.straggler.enabled) {
+      char* end = nullptr;
+      const double ms = std::strtod(text->c_str(), &end);
+      TRAINLOOP_CHECK(end != text->c_str() && *end == '\0' && ms > 0.0, "TRAINLOOP_STRAGGLER is \"", *text,
+                      "\"; expected \"off\" or the least excess per step in milliseconds (e.g. 25)");
+      options.straggler.least_excess = std::chrono::milliseconds(static_cast<long long>(std::llround(ms)));
+    }
   }
   return options;
 }

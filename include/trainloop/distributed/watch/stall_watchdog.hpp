@@ -30,6 +30,7 @@
 #include <trainloop/distributed/watch/stall_judgement.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
 #include <trainloop/distributed/watch/stall_report.hpp>
+#include <trainloop/distributed/watch/straggler_watch.hpp>
 #include <trainloop/distributed/watch/terminate_hook.hpp>
 #include <trainloop/distributed/watch/watch_board.hpp>
 #include <trainloop/error.hpp>
@@ -101,9 +102,11 @@ class StallWatchdog {
     }
   }
 
-  /// The period: a tenth of the limit, between 0.2 and 1 s.
+  /// The period: a tenth of the limit, between 0.2 and 1 s; 0.2 s while stragglers are watched (a
+  /// straggler is named within a few readings: straggler_watch.hpp).
   std::chrono::milliseconds period() const {
-    return std::clamp(options_.limit / 10, std::chrono::milliseconds(200), std::chrono::milliseconds(1000));
+    const auto most = std::chrono::milliseconds(options_.straggler.enabled ? 200 : 1000);
+    return std::clamp(options_.limit / 10, std::chrono::milliseconds(200), most);
   }
 
   void run() {
@@ -124,6 +127,17 @@ class StallWatchdog {
       }
       lock.lock();
     }
+  }
+
+  /// The main process: every rank's own time per step compared, a slow rank named
+  /// (straggler_watch.hpp). Each reading reads every record: every max(1, world size / 64) periods.
+  void watch_stragglers(const RankRecord& own) {
+    if (!options_.straggler.enabled || ++straggler_ticks_ % std::max(1, world_size_ / 64) != 0) return;
+    std::vector<RankRecord> records{own};
+    for (int r = 1; r < world_size_; ++r) {
+      if (auto record = board_.read(r)) records.push_back(std::move(*record));
+    }
+    for (const std::string& line : straggler_.update(records)) std::fprintf(stderr, "%s\n", line.c_str());
   }
 
   /// Every rank's record — at most once per period x max(2, world size / 64): while ranks wait or
@@ -156,6 +170,7 @@ class StallWatchdog {
     const double stale = own.stale_seconds;
     board_.publish(own);
     if (world_size_ < 2) return;
+    if (rank_ == 0) watch_stragglers(own);
     // Desync: this rank's calls against its successor's.
     if (auto next = board_.read((rank_ + 1) % world_size_)) {
       if (const std::uint64_t seq = first_mismatch(own, *next); seq != 0) return desync(own, *next, seq);
@@ -275,38 +290,13 @@ class StallWatchdog {
   std::optional<Clock::time_point> verdict_seen_;
   Clock::time_point last_read_all_{};
   std::map<int, std::pair<std::uint64_t, Clock::time_point>> ticks_seen_;
+  StragglerWatch straggler_{options_.straggler};  // the main process's: a slow rank named
+  std::uint64_t straggler_ticks_ = 0;
   std::mutex stop_mutex_;
   std::condition_variable stop_changed_;
   bool stopping_ = false;
   std::thread thread_;
   std::optional<TerminateHook> terminate_hook_;  // made once thread_ runs, removed first
 };
-
-/// Starts this rank's watchdog once per process: options from the mode, overridden by the
-/// environment (stall_options.hpp), checked against the collective timeout. Does nothing when
-/// they turn it off. A later call (another loop's fit in the same process) keeps the first
-/// watchdog, and says once on stderr when its options differ (one watchdog per process: the
-/// store's records are the process's).
-inline void start_stall_watchdog(const ProcessGroupOptions& group_options, const RankEnv& env,
-                                 const StallWatchOptions& mode_options) {
-  static std::mutex mutex;
-  static std::optional<StallWatchOptions> started;  // the first call's, whether it started one
-  static std::unique_ptr<StallWatchdog> watchdog;
-  static bool warned = false;
-  std::lock_guard<std::mutex> lock(mutex);
-  const StallWatchOptions options = stall_options_from_environment(mode_options);
-  if (started) {
-    if (!same_stall_options(*started, options) && !std::exchange(warned, true)) {
-      std::fprintf(stderr, "trainloop: rank %d's stall watchdog keeps its first options (%s); this fit's (%s) are not "
-                   "used: one watchdog watches a process\n", env.rank, stall_options_words(*started).c_str(),
-                   stall_options_words(options).c_str());
-    }
-    return;
-  }
-  options.validate(group_options.timeout);
-  started = options;
-  if (!options.enabled) return;
-  watchdog = std::make_unique<StallWatchdog>(group_options, env, options);
-}
 
 }  // namespace trainloop::distributed

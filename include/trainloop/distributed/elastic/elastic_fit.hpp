@@ -1,0 +1,158 @@
+#pragma once
+/// @file
+/// @brief A fit that survives the loss of a rank (gpu_mode's elastic(true)): the loop's fit runs;
+/// when a collective fails because a rank was lost, the survivors regroup (regroup.hpp), the one
+/// holding the newest committed step (step_committer.hpp) writes the loop's state as a checkpoint
+/// of that step would hold it, the bytes go to every survivor over the new group, and each
+/// resumes from them with the new world size — as a run that changed its world size at that step
+/// on purpose resumes from its checkpoint, so the result is that run's, and every sample of the
+/// epoch is counted once. The step in flight is redone by the survivors; no committed step is lost.
+///
+/// The hand-off passes through a file in memory (/dev/shm where there is one, else the run
+/// directory): the loop resumes from a checkpoint archive, and an archive is what it reads. Each
+/// process removes its file as soon as it is loaded. Nothing is read from the job's checkpoints.
+/// Before any step of the fit was committed, the survivors start the fit again from where it
+/// started (the caller's state, or the checkpoint it resumed).
+
+#include <trainloop/checkpoint/resume.hpp>
+#include <trainloop/detail/format.hpp>
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/elastic/regroup.hpp>
+#include <trainloop/distributed/elastic/step_committer.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/engine/fit_actions.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/history.hpp>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <iterator>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+namespace trainloop::distributed::elastic {
+
+/// What the elastic fit needs of the engine.
+struct ElasticFitParts {
+  const RankEnv* env = nullptr;                    ///< this rank (the launcher's numbering)
+  StepCommitter* commits = nullptr;                ///< the engine's commits of this fit
+  std::function<void()> put_back_committed_state;  ///< buffers as committed, gradients cleared
+  std::chrono::milliseconds elastic_wait{30000};   ///< gpu_mode's elastic_wait
+};
+
+namespace detail {
+
+/// Where this process's hand-off file goes (see the file comment).
+inline std::filesystem::path hand_off_path(const RankEnv& env, int generation) {
+  std::error_code ignored;
+  const std::filesystem::path shm("/dev/shm");
+  const std::filesystem::path folder = std::filesystem::is_directory(shm, ignored) ? shm
+                                       : !env.run_dir.empty()                      ? std::filesystem::path(env.run_dir)
+                                                                                   : std::filesystem::temp_directory_path();
+  return folder / ::trainloop::detail::concat("trainloop-elastic-", env.launcher_pid, "-", ::getpid(), "-g", generation,
+                                              ".ckpt");
+}
+
+/// The bytes of `path` on `root` in the same file on every rank of `group` (a collective).
+inline void share_file(ProcessGroup& group, const std::filesystem::path& path, int root) {
+  torch::Tensor size = torch::zeros({1}, torch::kInt64);
+  std::string bytes;
+  if (group.rank() == root) {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    TRAINLOOP_CHECK(in.good() || in.eof(), "cannot read the hand-off file ", path.string(), " just written");
+    size.fill_(static_cast<std::int64_t>(bytes.size()));
+  }
+  group.broadcast(size, root);
+  torch::Tensor data = group.rank() == root
+                           ? torch::from_blob(bytes.data(), {static_cast<std::int64_t>(bytes.size())}, torch::kUInt8)
+                           : torch::empty({size.item<std::int64_t>()}, torch::kUInt8);
+  group.broadcast(data, root);
+  if (group.rank() != root) {
+    const std::filesystem::path partial = path.string() + ".partial";
+    {
+      std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+      out.write(static_cast<const char*>(data.data_ptr()), data.numel());
+      TRAINLOOP_CHECK(out.good(), "cannot write the hand-off file ", partial.string(), " (", data.numel(), " bytes)");
+    }
+    std::filesystem::rename(partial, path);
+  }
+}
+
+/// Whether `error` may be the consequence of a lost rank (what a survivor's collective raises).
+inline bool may_be_a_lost_rank(const std::exception& error) {
+  return dynamic_cast<const CommunicationError*>(&error) != nullptr || dynamic_cast<const DesyncError*>(&error) != nullptr;
+}
+
+}  // namespace detail
+
+/// After a lost rank: regroup, hand the committed state to every survivor, and return what the
+/// fit resumes from; nothing when no rank was lost (the caller rethrows its error).
+inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(const ::trainloop::detail::FitActions& actions,
+                                                                           const ::trainloop::detail::ResumeSpec& start,
+                                                                           const ElasticFitParts& parts) {
+  const auto began = std::chrono::steady_clock::now();
+  const std::int64_t committed = parts.commits->committed_step();
+  std::optional<Regrouped> regrouped = regroup_job(*parts.env, committed, parts.elastic_wait);
+  if (!regrouped) return std::nullopt;
+  ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
+  const Membership& m = regrouped->membership;
+  ::trainloop::detail::ResumeSpec next = start;
+  next.announce = false;
+  // Every survivor: the step in flight's gradients go (a rebuilt reducer would keep them); the
+  // holder's buffers are the committed ones again before it writes them.
+  parts.put_back_committed_state();
+  if (m.committed_step >= 0) {
+    const std::filesystem::path file = detail::hand_off_path(*parts.env, ::trainloop::distributed::elastic::detail::generation());
+    if (group.rank() == regrouped->holder_rank) actions.save_committed(file);
+    detail::share_file(group, file, regrouped->holder_rank);
+    next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
+    next.consume = true;
+  }
+  if (group.rank() == 0) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    std::ostringstream line;
+    for (const LostRank& lost : m.lost) {
+      line << "trainloop: rank " << lost.rank << " (pid " << lost.pid << ") lost at step " << m.committed_step + 1 << ": "
+           << lost.cause << "; continuing with " << group.world_size() << " rank" << (group.world_size() == 1 ? "" : "s")
+           << " (regrouped in " << std::fixed << std::setprecision(2) << seconds * 1000.0 << " ms, "
+           << (m.committed_step >= 0 ? ::trainloop::detail::concat("from step ", m.committed_step, " held by rank ", m.holder)
+                                     : std::string("from the fit's start: no step was committed"))
+           << ")\n";
+    }
+    std::cerr << line.str() << std::flush;
+  }
+  return next;
+}
+
+/// The loop's fit, again from the committed state with the survivors after each lost rank (see
+/// the file comment). Errors that are not a lost rank's consequence end the fit as they would
+/// without elastic training.
+inline History train_elastic(const ::trainloop::detail::FitActions& actions, const ::trainloop::detail::ResumeSpec& start,
+                             const ElasticFitParts& parts) {
+  ::trainloop::detail::ResumeSpec from = start;
+  for (;;) {
+    try {
+      return actions.train(from);
+    } catch (const std::exception& error) {
+      const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
+      if (!detail::may_be_a_lost_rank(error) || !group.valid() || group.world_size() == 1) throw;
+      std::optional<::trainloop::detail::ResumeSpec> next = recover_from_lost_rank(actions, start, parts);
+      if (!next) throw;
+      from = *next;
+    }
+  }
+}
+
+}  // namespace trainloop::distributed::elastic

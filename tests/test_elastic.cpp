@@ -1,0 +1,137 @@
+#define BOOST_TEST_MODULE test_elastic
+#include "unit_test.hpp"
+
+#include "test_paths.hpp"
+
+// Elastic training (distributed/elastic/, docs/elastic.md): a rank killed (SIGKILL, by the test hook
+// TRAINLOOP_TEST_KILL_AT) at a chosen step and phase, and the job goes on with the survivors and ends
+// with exit status 0 — with the parameters, the optimizer's effect and every epoch's sample count and
+// loss of a run that changed its world size at the same step on purpose (a checkpoint of that step
+// resumed on fewer ranks), bit for bit on the CPU. Losing rank 0 (which holds the store) ends the job
+// named, as without elastic training. ddp_worker's "ckpt" scenario: batch 4 per rank, shuffled, SGD
+// with momentum, 60 samples (5 steps an epoch on 3 ranks, 8 on 2).
+
+#include "ddp_test_support.hpp"
+
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <string>
+
+namespace {
+
+constexpr int kSamples = 60;
+constexpr int kEpochs = 2;
+
+std::string common_settings() {
+  return "TL_TEST_EPOCHS=" + std::to_string(kEpochs) + " TL_TEST_TRAIN_SAMPLES=" + std::to_string(kSamples) + " ";
+}
+
+/// The checkpoint ModelCheckpoint writes after global step `step` (5 steps per epoch on 3 ranks,
+/// 10 on 2: the epochs before the resume decide the name's epoch).
+fs::path checkpoint_after(const fs::path& dir, int step, int steps_per_epoch) {
+  char name[64];
+  std::snprintf(name, sizeof name, "epoch=%04d-step=%06d.ckpt", (step - 1) / steps_per_epoch + 1, step);
+  return dir / name;
+}
+
+/// The step the survivors resumed from, as the main process's line says ("from step C held by").
+int resumed_from_step(const std::string& output) {
+  std::smatch match;
+  static const std::regex pattern("lost at step ([0-9]+): .*from step ([0-9]+) held by rank");
+  BOOST_REQUIRE_MESSAGE(std::regex_search(output, match, pattern), output);
+  return std::stoi(match[2]);
+}
+
+/// Runs ddp_worker with `world` ranks, elastic, one rank killed as `kill` says (rank:step:phase),
+/// then the deliberate reference: `world` ranks writing a checkpoint every step, that step's
+/// checkpoint resumed on world-1 ranks. Both must end alike, bit for bit.
+void lost_rank_equals_deliberate_change(const std::string& name, int world, const std::string& kill,
+                                        const std::string& extra = "") {
+  const fs::path dir = fresh_dir("elastic_" + name);
+  WorkerRun elastic = run_worker("ckpt", world, 0,
+                                 common_settings() + extra + "TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" + (dir / "elastic").string() +
+                                     " TRAINLOOP_TEST_KILL_AT=" + kill,
+                                 "_elastic_" + name);
+  BOOST_TEST_MESSAGE(name << ": " << elastic.output);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output);
+  BOOST_TEST(elastic.output.find("continuing with " + std::to_string(world - 1) + " rank") != std::string::npos);
+  BOOST_TEST(leftover_workers() == 0);
+  const int committed = resumed_from_step(elastic.output);
+
+  WorkerRun before = run_worker("ckpt", world, 0,
+                                common_settings() + "TL_TEST_EVERY_STEPS=1 TL_TEST_CKPT_DIR=" + (dir / "before").string(),
+                                "_before_" + name);
+  BOOST_REQUIRE_MESSAGE(before.exit_code == 0, before.output);
+  const fs::path resumed_checkpoint = checkpoint_after(dir / "before", committed, (kSamples + 4 * world - 1) / (4 * world));
+  BOOST_REQUIRE_MESSAGE(fs::exists(resumed_checkpoint), resumed_checkpoint.string());
+  WorkerRun after = run_worker("ckpt", world - 1, 0,
+                               common_settings() + "TL_TEST_CKPT_DIR=" + (dir / "after").string() +
+                                   " TL_TEST_RESUME=" + resumed_checkpoint.string(),
+                               "_after_" + name);
+  BOOST_REQUIRE_MESSAGE(after.exit_code == 0, after.output);
+
+  const torch::Tensor lost = load_params((elastic.dir / "params.pt").string());
+  const torch::Tensor changed = load_params((after.dir / "params.pt").string());
+  BOOST_TEST_MESSAGE(name << ": resumed from step " << committed << ", max |elastic - deliberate| = "
+                          << (lost - changed).abs().max().item<double>());
+  BOOST_TEST(torch::equal(lost, changed), name << ": the parameters differ from the deliberate world-size change");
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
+    const std::string key = "epoch" + std::to_string(epoch);
+    // Every sample of every epoch counted once, the loss and accuracy exactly the deliberate run's.
+    BOOST_TEST(elastic.result[key + "_samples"] == kSamples, name << " " << key);
+    BOOST_TEST(elastic.result[key + "_loss"] == after.result[key + "_loss"], name << " " << key);
+    BOOST_TEST(elastic.result[key + "_accuracy"] == after.result[key + "_accuracy"], name << " " << key);
+  }
+  BOOST_TEST(elastic.result["val_loss"] == after.result["val_loss"]);
+  for (auto* run : {&elastic, &before, &after}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
+/// Hand-off files left in /dev/shm by this test's jobs (none may stay).
+int hand_off_files_left() {
+  int count = 0;
+  std::error_code ignored;
+  for (const auto& entry : fs::directory_iterator("/dev/shm", ignored)) {
+    count += entry.path().filename().string().rfind("trainloop-elastic-", 0) == 0 ? 1 : 0;
+  }
+  return count;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(three_ranks_lose_one_in_its_forward_and_end_as_two_would_from_that_step) {
+  lost_rank_equals_deliberate_change("forward", 3, "2:3:forward");
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(three_ranks_lose_one_inside_a_gradient_all_reduce_and_redo_the_step) {
+  // Step 7 is epoch 2's second step: the epoch's partial sums of all three ranks carry over.
+  lost_rank_equals_deliberate_change("backward", 3, "1:7:backward");
+}
+
+BOOST_AUTO_TEST_CASE(two_ranks_lose_one_after_its_commit_and_the_last_goes_on_alone) {
+  // Killed after the step's commit, before its optimizer step: the survivor holds that step or
+  // the one before; the line names which, and the reference resumes from that one.
+  lost_rank_equals_deliberate_change("optimizer", 2, "1:4:optimizer");
+}
+
+BOOST_AUTO_TEST_CASE(three_ranks_lose_one_inside_a_checkpoint_write) {
+  lost_rank_equals_deliberate_change("checkpoint", 3, "2:4:checkpoint", "TL_TEST_EVERY_STEPS=2 ");
+}
+
+BOOST_AUTO_TEST_CASE(losing_rank_zero_ends_the_job_named_and_leaves_nothing) {
+  // Rank 0's process holds the job's store: nothing can agree without it.
+  const fs::path dir = fresh_dir("elastic_rank0");
+  WorkerRun run = run_worker("ckpt", 3, 0,
+                             common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" + (dir / "ckpt").string() +
+                                 " TRAINLOOP_TEST_KILL_AT=0:3:forward",
+                             "_elastic_rank0");
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 3);
+  BOOST_TEST(run.output.find("RANK_FAILED rank=0") != std::string::npos, run.output);
+  BOOST_TEST(leftover_workers() == 0);
+  BOOST_TEST(hand_off_files_left() == 0);
+  fs::remove_all(run.dir);
+  fs::remove_all(dir);
+}
