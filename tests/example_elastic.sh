@@ -38,7 +38,7 @@ awk -v a="$elastic" -v b="$clean" 'BEGIN { d = a - b; exit (d <= 0.03 && d >= -0
   fail "test accuracy $elastic after the loss, $clean without" "$work/elastic.log"
 for rank in $ranks; do kill -0 "$rank" 2> /dev/null && fail "rank pid $rank still running" "$work/elastic.log"; done
 
-"$example" "${args[@]}" --epochs 1 > "$work/slow.log" 2>&1 &
+"$example" "${args[@]}" --epochs 3 > "$work/slow.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 600); do [[ $(ranks_of "$pid" | wc -l) == 3 ]] && break; sleep 0.1; done
 slow=$(ranks_of "$pid" | sed -n 2p)

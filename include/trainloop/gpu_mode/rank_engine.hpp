@@ -175,6 +175,12 @@ class RankEngine {
         parts.env = &*env_;
         parts.commits = &commits_;
         parts.elastic_wait = mode_.elastic_wait();
+        parts.state_bytes = [this] {  // weights, and up to twice that of optimizer state (Adam's moments)
+          std::uintmax_t bytes = 0;
+          for (const auto& tensor : module_->parameters()) bytes += 3 * tensor.nbytes();
+          for (const auto& tensor : module_->buffers()) bytes += tensor.nbytes();
+          return bytes + (std::uintmax_t{1} << 20);
+        };
         parts.put_back_committed_state = [this] {
           commits_.restore_buffers(module_->buffers());
           for (auto& parameter : module_->parameters()) parameter.mutable_grad().reset();  // a step half done

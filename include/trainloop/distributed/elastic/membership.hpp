@@ -13,7 +13,7 @@
 /// - `abandon`: set by the first survivor that sees a collective fail; every wait of the
 ///   generation's group asks for it (comm/abandonable_wait.hpp) and gives up;
 /// - `alive/<rank>`: "<committed step>" of each survivor;
-/// - `decision`: "<committed step> <holder> <member>... ; <lost rank>:<cause>|...".
+/// - `decision`: "<committed step> <holder> <all committed it: 0|1> <member>... ; <lost rank>:<pid>:<cause>|...".
 /// A rank that did not report is lost when its process is gone (same machine: at once) or, on
 /// another machine, when `wait_for_remote` has passed without a word from it.
 
@@ -50,6 +50,7 @@ struct Membership {
   int holder = -1;                   ///< the old rank that holds that step's state (lowest such)
   std::vector<int> members;          ///< old ranks that go on, in order: new rank i is members[i]
   std::vector<LostRank> lost;        ///< old ranks that do not
+  bool all_committed = false;        ///< every member committed committed_step (none is a step behind)
 };
 
 /// The store keys of one generation (see the file comment).
@@ -94,7 +95,7 @@ inline long pid_of_tag(const std::string& tag) {
 
 inline std::string encode(const Membership& m) {
   std::ostringstream out;
-  out << m.committed_step << ' ' << m.holder;
+  out << m.committed_step << ' ' << m.holder << ' ' << (m.all_committed ? 1 : 0);
   for (int rank : m.members) out << ' ' << rank;
   out << " ;";
   for (const auto& lost : m.lost) {
@@ -111,7 +112,9 @@ inline Membership decode(const std::string& text) {
   TRAINLOOP_CHECK(split != std::string::npos, "the elastic decision in the store is '", text,
                   "'; expected '<step> <holder> <members> ;<lost>'");
   std::istringstream head(text.substr(0, split));
-  head >> m.committed_step >> m.holder;
+  int all_committed = 0;
+  head >> m.committed_step >> m.holder >> all_committed;
+  m.all_committed = all_committed != 0;
   for (int rank; head >> rank;) m.members.push_back(rank);
   std::string tail = text.substr(split + 2);
   for (std::size_t start = 0, end; (end = tail.find('|', start)) != std::string::npos; start = end + 1) {
@@ -184,6 +187,7 @@ Membership decide_membership(::c10d::Store& store, const GenerationKeys& keys, i
     }
   }
   if (m.holder < 0 && !m.members.empty()) m.holder = m.members.front();
+  m.all_committed = std::all_of(reported.begin(), reported.end(), [&](const auto& entry) { return entry.second == m.committed_step; });
   for (const auto& [rank, entry] : lost) m.lost.push_back(entry);
   store.set(keys.decision(), detail::store_bytes(detail::encode(m)));
   return m;
