@@ -272,7 +272,10 @@ int main(int argc, char** argv) {
 
     auto peaks = std::make_shared<PhasePeaks>(record);
     if (phase == "train") {
-      auto checkpoint = std::make_shared<tl::ModelCheckpoint>(tl::ModelCheckpointOptions(checkpoints).every_n_epochs(1).keep_last(1));
+      // Training waits for the write: a job at its memory limit has no room for the host buffers of
+      // a checkpoint written behind training (one more share of the state per rank: docs/checkpoints-and-resume.md).
+      auto checkpoint = std::make_shared<tl::ModelCheckpoint>(
+          tl::ModelCheckpointOptions(checkpoints).every_n_epochs(1).keep_last(1).in_background(false));
       auto history = loop.fit(1, {peaks, checkpoint});
       peaks->write(true);
       const fs::path path = newest_checkpoint(checkpoints);

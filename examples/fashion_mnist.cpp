@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   int replicas = 2;
   std::string checkpoint_dir;
   bool resume = false;
+  bool async_checkpoint = true;
   int64_t train_samples = 0;
   std::string tensorboard_dir;
   std::string plot_png;
@@ -80,6 +81,9 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-dir", checkpoint_dir,
                  "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
   app.add_flag("--resume", resume, "continue from the newest checkpoint in --checkpoint-dir (if there is one)");
+  app.add_flag("--async-checkpoint,!--no-async-checkpoint", async_checkpoint,
+               "sharded modes: write the per-rank checkpoints behind training (the default), or make training wait "
+               "for each (--no-async-checkpoint)");
   app.add_option("--tensorboard", tensorboard_dir, "write TensorBoard scalars (loss, metrics, learning rate) into this directory");
   app.add_option("--plot", plot_png, "draw the training curves into this PNG (and an SVG beside it) when training ends");
   app.add_option("--train-samples", train_samples, "train on the first N training images only (0: all 60000)")
@@ -185,7 +189,8 @@ int main(int argc, char** argv) {
                                                                           .keep_last(1)
                                                                           .monitor("val_accuracy")
                                                                           .mode(trainloop::MonitorMode::Max)
-                                                                          .keep_best(1)));
+                                                                          .keep_best(1)
+                                                                          .in_background(async_checkpoint)));
     }
     // With --resume, a run killed in epoch 3 of 4 finishes epochs 3 and 4 from the newest checkpoint.
     auto history = loop.fit(epochs, callbacks, resume ? trainloop::Resume::last() : trainloop::Resume::none());

@@ -56,6 +56,17 @@ struct SleepBeforeForward : tl::Callback {
   std::chrono::milliseconds pause;
 };
 
+/// Writes every straggler record the loop hands the callbacks (on_straggler, the main process) to
+/// <dir>/stragglers.txt: "<rank> <part> <ended>" per line.
+struct StragglerLog : tl::Callback {
+  explicit StragglerLog(std::string d) : dir(std::move(d)) {}
+  void on_straggler(tl::TrainState& state, const tl::StragglerRecord& record) override {
+    TRAINLOOP_CHECK(state.is_main, "on_straggler on rank ", state.rank, "; expected the main process only");
+    std::ofstream(dir + "/stragglers.txt", std::ios::app) << record.rank << ' ' << record.part << ' ' << record.ended << '\n';
+  }
+  std::string dir;
+};
+
 /// Fails one rank on purpose, from inside training.
 struct FailOnRank : tl::Callback {
   std::string how;
@@ -236,7 +247,10 @@ int main(int argc, char** argv) {
       epochs = env_number("TL_TEST_EPOCHS", 2);
       options.shuffle(true);
       callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(
-          tl::ModelCheckpointOptions(std::getenv("TL_TEST_CKPT_DIR")).every_n_steps(env_number("TL_TEST_EVERY_STEPS", 0)).keep_last(0)));
+          tl::ModelCheckpointOptions(std::getenv("TL_TEST_CKPT_DIR"))
+              .every_n_steps(env_number("TL_TEST_EVERY_STEPS", 0))
+              .keep_last(0)
+              .in_background(env_number("TL_TEST_BACKGROUND", 1) != 0)));  // 0: training waits (test_sharded_checkpoint)
       if (const int64_t kill_at = env_number("TL_TEST_KILL_AT_STEP", 0)) callbacks.push_back(std::make_shared<KillRank1AtStep>(kill_at));
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
@@ -360,6 +374,7 @@ int main(int argc, char** argv) {
       const auto pause = std::chrono::milliseconds(slow.empty() ? 0 : std::stoi(slow.substr(slow.rfind(':') + 1)));
       const bool mine = slow_rank >= 0 && own_rank() == slow_rank;
       train = make_data(4 * total_world * env_number("TL_TEST_STEPS", 40), 1);
+      callbacks.push_back(std::make_shared<StragglerLog>(out_dir));
       if (mine && part == "input") callbacks.push_back(std::make_shared<SleepBeforeForward>(pause));
       if (mine && part == "forward") {
         criterion = [pause](const torch::Tensor& output, const torch::Tensor& target) {
@@ -449,7 +464,9 @@ int main(int argc, char** argv) {
           << "\noptimizer_state_bytes " << history.last().optimizer_state_bytes << "\noptimizer_state_bytes_total "
           << std::accumulate(history.last().optimizer_state_bytes_by_rank.begin(),
                              history.last().optimizer_state_bytes_by_rank.end(), int64_t{0})
-          << "\noptimizer_state_ranks " << history.last().optimizer_state_bytes_by_rank.size() << "\n";
+          << "\noptimizer_state_ranks " << history.last().optimizer_state_bytes_by_rank.size()
+          << "\nstragglers_named " << std::count_if(history.stragglers.begin(), history.stragglers.end(), [](const auto& r) { return !r.ended; })
+          << "\nfirst_straggler_rank " << (history.stragglers.empty() ? -1 : history.stragglers.front().rank) << "\n";
       for (const auto& epoch : history.epochs) {  // every epoch's count and loss (test_elastic)
         out << "epoch" << epoch.epoch << "_samples " << epoch.samples << "\nepoch" << epoch.epoch << "_loss "
             << epoch.train_loss << "\nepoch" << epoch.epoch << "_accuracy " << epoch.train_metrics.at("accuracy") << "\n";

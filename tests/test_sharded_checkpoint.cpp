@@ -228,3 +228,99 @@ BOOST_AUTO_TEST_CASE(bad_sharded_checkpoints_are_named_and_the_previous_one_is_r
   BOOST_TEST(history.total_steps == 10);
   fs::remove_all(dir);
 }
+
+// ---- Checkpoints written behind training (loop/background_checkpoint_io.hpp) -----------------------
+
+namespace {
+
+std::string file_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+/// The periodic checkpoints in `dir`, by name (not a killed writer's temporary directory).
+std::vector<std::string> periodic_checkpoints(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("epoch=", 0) == 0 && !tl::detail::is_temporary_name(name)) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_checkpoint_written_behind_training_is_the_one_written_in_the_foreground_byte_for_byte_at_every_level) {
+  // 2 ranks, Adam, 10 steps, a checkpoint every 2: the same job with training waiting for each
+  // checkpoint (TL_TEST_BACKGROUND=0) and with checkpoints written behind it (the default).
+  for (const std::string level : {"optimizer", "gradients", "full"}) {
+    BOOST_TEST_CONTEXT("sharding " << level) {
+      const fs::path dir = fresh_dir("dcp_background_" + level);
+      const std::string settings = "TL_TEST_OPTIMIZER=adam TL_TEST_SHARDING=" + level + " TL_TEST_EPOCHS=2 TL_TEST_EVERY_STEPS=2 ";
+      auto waited = run_ckpt("fg_" + level, dir / "foreground", settings + "TL_TEST_BACKGROUND=0");
+      auto behind = run_ckpt("bg_" + level, dir / "background", settings + "TL_TEST_BACKGROUND=1");
+      BOOST_REQUIRE_MESSAGE(waited.exit_code == 0, waited.output);
+      BOOST_REQUIRE_MESSAGE(behind.exit_code == 0, behind.output);
+      const std::vector<std::string> names = periodic_checkpoints(dir / "background");
+      BOOST_TEST(names == periodic_checkpoints(dir / "foreground"), boost::test_tools::per_element());
+      // Steps 2, 4, 6, 8, 10 and the epochs' ends (5; 10 again, the same name rewritten right after
+      // its step's: it waits for that one): none lost, the last one waited for at the end.
+      BOOST_TEST(names.size() == 6u);
+      for (const std::string& name : names) {
+        for (const std::string file : {".metadata", "__0_0.distcp", "__1_0.distcp"}) {
+          BOOST_TEST_CONTEXT(name << "/" << file) {
+            const std::string expected = file_bytes(dir / "foreground" / name / file);
+            BOOST_TEST(!expected.empty());
+            BOOST_TEST((file_bytes(dir / "background" / name / file) == expected));
+          }
+        }
+      }
+      BOOST_TEST(fs::canonical(dir / "background" / "last.ckpt").filename() == names.back());
+      // The loop's state (trainloop.pt: progress, every rank's random stream) of the same moment:
+      // a resume from the background's step-6 checkpoint (inside epoch 2) ends as the uninterrupted job.
+      BOOST_REQUIRE(names.size() > 3u);
+      auto resumed = run_ckpt("bg_resumed_" + level, dir / "resumed",
+                              settings + "TL_TEST_RESUME=" + (dir / "background" / names[3]).string());
+      BOOST_REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+      BOOST_TEST(torch::equal(load_params((resumed.dir / "params.pt").string()), load_params((waited.dir / "params.pt").string())));
+      BOOST_TEST(torch::equal(load_params((behind.dir / "params.pt").string()), load_params((waited.dir / "params.pt").string())));
+      for (const fs::path& d : fs::directory_iterator(dir / "background")) BOOST_TEST(!tl::detail::is_temporary_name(d.filename().string()));
+      for (auto* run : {&waited, &behind, &resumed}) fs::remove_all(run->dir);
+      fs::remove_all(dir);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_rank_killed_while_its_checkpoint_is_written_behind_training_leaves_the_previous_one_whole) {
+  // fsdp full, a checkpoint every 2 steps: rank 1, then rank 0 (the one that commits), killed in
+  // its writer thread once its file of step 4's checkpoint is written. The job ends named; step
+  // 2's checkpoint is whole and `last`, and a resume from it ends as the uninterrupted job.
+  const std::string settings = "TL_TEST_OPTIMIZER=adam TL_TEST_SHARDING=full TL_TEST_EPOCHS=2 TL_TEST_EVERY_STEPS=2 ";
+  const fs::path dir = fresh_dir("dcp_background_kill");
+  auto whole = run_ckpt("bg_whole", dir / "whole", settings);
+  BOOST_REQUIRE_MESSAGE(whole.exit_code == 0, whole.output);
+  for (const int rank : {1, 0}) {
+    BOOST_TEST_CONTEXT("rank " << rank << " killed") {
+      const fs::path ckpts = dir / ("killed" + std::to_string(rank));
+      auto killed = run_ckpt("bg_killed" + std::to_string(rank), ckpts,
+                             settings + "TRAINLOOP_TEST_KILL_AT=" + std::to_string(rank) + ":4:background-write");
+      BOOST_TEST(killed.exit_code != 0);
+      BOOST_TEST(contains(killed.output, "RANK_FAILED rank=" + std::to_string(rank)), killed.output);
+      BOOST_TEST(periodic_checkpoints(ckpts) == std::vector<std::string>{"epoch=0001-step=000002.ckpt"},
+                 boost::test_tools::per_element());
+      BOOST_TEST(fs::canonical(ckpts / "last.ckpt").filename() == "epoch=0001-step=000002.ckpt");
+      OneProcess one;  // loadable in one process
+      BOOST_CHECK_NO_THROW(one.loop.load_checkpoint(ckpts / "last.ckpt"));
+      auto resumed = run_ckpt("bg_after_kill" + std::to_string(rank), ckpts, settings + "TL_TEST_RESUME=last");
+      BOOST_REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+      BOOST_TEST(torch::equal(load_params((resumed.dir / "params.pt").string()), load_params((whole.dir / "params.pt").string())));
+      // The killed write's temporary directory is gone (the resumed job's first writer removed it).
+      for (const fs::path& d : fs::directory_iterator(ckpts)) BOOST_TEST(!tl::detail::is_temporary_name(d.filename().string()));
+      for (auto* run : {&killed, &resumed}) fs::remove_all(run->dir);
+    }
+  }
+  BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(whole.dir);
+  fs::remove_all(dir);
+}

@@ -14,6 +14,7 @@
 #include <trainloop/distributed/watch/straggler_watch.hpp>
 
 #include <chrono>
+#include <fstream>
 #include <regex>
 #include <string>
 #include <vector>
@@ -60,6 +61,9 @@ struct Named {
   std::string part;
   int step = -1;
   std::string output;
+  int history_rank = -1;              ///< the first straggler in the History fit() returned
+  double history_named = 0;           ///< namings in that History
+  std::vector<std::string> callback;  ///< what Callback::on_straggler saw: "<rank> <part> <ended>"
 };
 
 Named run_slow(int world, const std::string& slow, int steps) {
@@ -75,6 +79,10 @@ Named run_slow(int world, const std::string& slow, int steps) {
     named.part = match[2];
     named.step = std::stoi(match[3]);
   }
+  named.history_rank = static_cast<int>(run.result["first_straggler_rank"]);
+  named.history_named = run.result["stragglers_named"];
+  std::ifstream seen(run.dir / "stragglers.txt");
+  for (std::string line; std::getline(seen, line);) named.callback.push_back(line);
   BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(run.dir);
   return named;
@@ -145,10 +153,17 @@ BOOST_AUTO_TEST_CASE(a_rank_slowed_in_its_input_forward_or_backward_is_named_wit
     BOOST_TEST(named.rank == c.rank, c.slow << "\n" << named.output);
     BOOST_TEST(named.part == c.part, c.slow << "\n" << named.output);
     BOOST_TEST((named.step >= 1 && named.step <= 20), c.slow << ": named at step " << named.step);
+    // The History and the callbacks carry it too (the main process's, at a step boundary).
+    BOOST_TEST(named.history_rank == c.rank);
+    BOOST_TEST(named.history_named >= 1.0);
+    BOOST_REQUIRE(!named.callback.empty());
+    BOOST_TEST(named.callback.front() == std::to_string(c.rank) + " " + c.part + " 0");
   }
 }
 
 BOOST_AUTO_TEST_CASE(a_clean_200_step_run_names_nobody) {
   const Named named = run_slow(3, "", 200);
   BOOST_TEST(named.output.find("straggler:") == std::string::npos, named.output);
+  BOOST_TEST(named.history_rank == -1);
+  BOOST_TEST(named.callback.empty());
 }

@@ -51,6 +51,18 @@ struct StepRecord {
   double loss = 0.0;              ///< mean loss of its last micro-batch on this process
 };
 
+/// @brief A rank that slowed every other, as the straggler watch logged it on the main process
+/// (DDP and fsdp: distributed/watch/straggler_watch.hpp), or the end of it.
+struct StragglerRecord {
+  int64_t step = 0;          ///< the newest step any rank had completed when it was logged
+  int64_t rank = -1;         ///< the rank
+  int64_t pid = 0;           ///< its process (0: not known)
+  std::string host;          ///< its machine
+  std::string part;          ///< where it loses most time per step: input, forward, backward or optimizer
+  double excess_ms = 0.0;    ///< by how much per step it trailed the median of the others
+  bool ended = false;        ///< true: it no longer trails (part and excess_ms are from when it was named)
+};
+
 /// @brief The per-epoch records of a loop's training so far: every epoch of every fit() call of
 /// the loop (and of the checkpoint it resumed from), as fit() returns them.
 struct History {
@@ -58,6 +70,9 @@ struct History {
   int64_t total_steps = 0;          ///< optimizer steps taken so far (all fit() calls, resumed ones included)
   std::string stop_reason;          ///< why fit() ended early (a callback's reason), empty if it did not
   std::vector<StepRecord> steps;    ///< one record per optimizer step, when TrainLoopOptions::record_steps is on
+  /// Every straggler named (and every end of one) in the order the main process logged them (on
+  /// rank 0; the History fit() returns is rank 0's). Empty without ranks or with the watch off.
+  std::vector<StragglerRecord> stragglers;
 
   /// @brief The last epoch's record; throws std::out_of_range when no epoch ran.
   const EpochRecord& last() const { return epochs.at(epochs.size() - 1); }

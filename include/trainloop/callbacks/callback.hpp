@@ -12,6 +12,7 @@
 /// | on_batch_end               | after each training micro-batch's forward and backward                  |
 /// | on_before_optimizer_step   | after the gradients are reduced across replicas/ranks and clipped, before the optimizer step |
 /// | on_step_end                | after each optimizer step (once per accumulation window)                |
+/// | on_straggler               | main process only, at the step boundary after the straggler watch named a slow rank (or its end) |
 /// | on_validation_end          | after the validation pass of an epoch                                   |
 /// | on_epoch_end               | after the epoch, with its complete record                               |
 /// | on_fit_end                 | once, after the last epoch (also after an early stop)                   |
@@ -82,6 +83,17 @@ class WholeWeightsScope {
 
  private:
   std::function<void()> free_;
+};
+
+/// @brief How a checkpoint started by TrainState::start_checkpoint ended, and what it cost.
+struct CheckpointReport {
+  std::filesystem::path path;  ///< the checkpoint
+  std::exception_ptr error;    ///< why it was not written (every rank has one then); null: it is committed
+  bool background = false;     ///< written behind training (a per-rank checkpoint), not while training waited
+  /// Seconds the training thread waited because of it: the capture at its step, the next
+  /// optimizer step's wait for the copy, a later checkpoint's wait for this one, the agreement.
+  double blocked_seconds = 0.0;
+  double seconds = 0.0;        ///< from its start to the step boundary where the ranks agreed it ended
 };
 
 /// @brief What every hook sees: where training stands, the model and optimizer, this process's
@@ -176,6 +188,20 @@ struct TrainState {
   /// @throws trainloop::Error on every rank when it could not be written (disk full, unwritable
   ///         directory), naming the path.
   std::function<void(const std::filesystem::path&)> save_checkpoint;
+  /// Starts a checkpoint of this moment, as save_checkpoint writes it, and returns. Where the
+  /// mode writes per-rank checkpoints (sharded modes), the state is copied into host buffers while
+  /// the next step's forward and backward run and written by a thread per rank; `done` runs on
+  /// every rank at the step boundary where the ranks agree it is committed or failed (then, or at
+  /// the end of fit(), which waits for it). A checkpoint started while the previous one is still
+  /// being written waits for that one first (its `done` runs first); one started in on_fit_end
+  /// is waited for after it, one started in on_fit_finally is dropped. Where the mode writes one
+  /// file (rank 0), it is written now and `done` runs before this returns. A collective, like
+  /// any_rank. `done` may throw (as a hook does); errors of the write arrive in its report.
+  std::function<void(const std::filesystem::path&, std::function<void(const CheckpointReport&)>)> start_checkpoint;
+  /// Waits for a checkpoint start_checkpoint left being written and runs its `done` (before
+  /// planning the next one; said once on the main process: checkpoints are then due faster than
+  /// they are written). A collective, like any_rank; nothing when none is in flight.
+  std::function<void()> wait_for_checkpoints;
 };
 
 /// @brief Base class of callbacks; override the hooks you need (see the table in callback.hpp).
@@ -211,6 +237,11 @@ class Callback : public Stateful {
   virtual void on_before_optimizer_step(TrainState&) {}
   /// @brief After each optimizer step.
   virtual void on_step_end(TrainState&) {}
+  /// @brief A rank slowed every other (or no longer does): the straggler watch's record
+  /// (DDP and fsdp; also in History::stragglers). On the main process only (rank 0, whose
+  /// watchdog compares the ranks), at the first step boundary after it was logged, before
+  /// on_step_end: take part in no collective here.
+  virtual void on_straggler(TrainState&, const StragglerRecord&) {}
   /// @brief After the validation pass of an epoch.
   virtual void on_validation_end(TrainState&, const EvalResult&) {}
   /// @brief After each epoch, with its record.

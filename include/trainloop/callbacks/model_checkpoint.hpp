@@ -95,6 +95,11 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
     return paths;
   }
 
+  /// @brief How each checkpoint of this callback ended, oldest first: its error (null when it was
+  /// committed), whether it was written behind training, the seconds the training thread waited
+  /// for it and the seconds until it was committed (every rank keeps its own).
+  const std::vector<CheckpointReport>& reports() const { return reports_; }
+
   /// @brief True: its checkpoints hold the other callbacks' state after the same event.
   bool runs_after_others() const override { return true; }
 
@@ -126,6 +131,8 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
       periodic = periodic_checkpoint_name(state.epoch, state.global_step);
     }
     std::optional<std::pair<double, std::string>> best;
+    // A checkpoint still written behind training ends first: the best list it adds to decides.
+    if (options_.in_background() && state.wait_for_checkpoints) state.wait_for_checkpoints();
     if (!options_.monitor().empty() && options_.keep_best() > 0) {
       const double value = trainloop::monitored_value(record, options_.monitor(), "ModelCheckpoint");
       // The main process's lists decide (a restore on another machine may not see its files);
@@ -202,9 +209,13 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
 
   /// Writes the periodic and/or best checkpoint of this moment (a collective): one file, and the
   /// other as a second name of it; then points last.ckpt at it and removes what the keep limits
-  /// made surplus. A failed write changes nothing (and throws unless stop_on_error is off).
+  /// made surplus. A per-rank checkpoint is written behind training (in_background) and finished
+  /// at the step boundary where the ranks agree it ended. A failed write changes nothing (and
+  /// throws unless stop_on_error is off).
   void save(TrainState& state, const std::optional<std::string>& periodic,
             const std::optional<std::pair<double, std::string>>& best) {
+    const bool background = options_.in_background() && state.start_checkpoint && state.wait_for_checkpoints;
+    if (background) state.wait_for_checkpoints();  // the one in flight ends first: its file is in the lists
     Files plan = files_;
     plan.surplus.clear();
     if (periodic) {
@@ -225,26 +236,51 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
       }
     }
     const std::string written = periodic ? *periodic : best->second;
+    planned_ = plan;  // what save_state() records in the file
+    struct ForgetPlan {
+      std::optional<Files>& plan;
+      ~ForgetPlan() { plan.reset(); }
+    } forget{planned_};
+    const std::optional<std::string> best_name = best ? std::optional<std::string>(best->second) : std::nullopt;
+    if (background) {
+      last_save_ = std::chrono::steady_clock::now();  // every_minutes counts from the start, not the commit
+      state.start_checkpoint(directory() / written, [this, &state, plan, written, linked = periodic ? best_name : std::nullopt](
+                                                        const CheckpointReport& report) {
+        finish(state, plan, written, linked, report);
+      });
+      return;
+    }
+    CheckpointReport report{directory() / written, nullptr, false, 0.0, 0.0};
+    const auto start = std::chrono::steady_clock::now();
     try {
-      planned_ = plan;  // what save_state() records in the file
-      struct ForgetPlan {
-        std::optional<Files>& plan;
-        ~ForgetPlan() { plan.reset(); }
-      } forget{planned_};
       state.save_checkpoint(directory() / written);
-      if (periodic && best) {
+    } catch (const Error&) {
+      report.error = std::current_exception();
+    }
+    report.blocked_seconds = report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    finish(state, std::move(plan), written, periodic ? best_name : std::nullopt, report);
+  }
+
+  /// After the checkpoint `written` ended (every rank, at the same point): on success, its second
+  /// name `linked` (a best checkpoint that is also periodic), last.ckpt, the keep limits.
+  void finish(TrainState& state, Files plan, const std::string& written, const std::optional<std::string>& linked,
+              const CheckpointReport& report) {
+    reports_.push_back(report);
+    try {
+      if (report.error) std::rethrow_exception(report.error);
+      if (linked) {
         // The same state under its best name (a hard link); every rank learns whether it worked.
         std::string failure;
         if (state.is_main) {
           try {
-            detail::link_atomically(directory() / written, directory() / best->second);
+            detail::link_atomically(directory() / written, directory() / *linked);
           } catch (const Error& error) {
             failure = error.what();
           }
         }
         if (state.any_rank(!failure.empty())) {
           throw CheckpointError(failure.empty() ? detail::concat("trainloop: another rank could not write the checkpoint ",
-                                                                 (directory() / best->second).string(),
+                                                                 (directory() / *linked).string(),
                                                                  " (its error names the cause)")
                                                 : failure);
         }
@@ -313,6 +349,7 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
   ModelCheckpointOptions options_;
   Files files_;
   std::optional<Files> planned_;  // during save(): the lists including the file being written
+  std::vector<CheckpointReport> reports_;
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
 };
 

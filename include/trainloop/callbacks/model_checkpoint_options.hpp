@@ -37,6 +37,14 @@ struct ModelCheckpointOptions {
   TORCH_ARG(int64_t, keep_best) = 1;
   /// A checkpoint that cannot be written stops training (true) or is reported and skipped (false).
   TORCH_ARG(bool, stop_on_error) = true;
+  /// Per-rank checkpoints (the sharded modes) are written behind training (true): the state is
+  /// copied into host buffers while the next step's forward and backward run and written by a
+  /// thread per rank; an error is reported at the step boundary where the ranks agree the write
+  /// ended (TrainState::start_checkpoint). false: training waits for every checkpoint, as a
+  /// callback needs that changes the parameters in place outside the optimizer step between a
+  /// checkpoint and the next step. One file written by rank 0 (the other modes) is always
+  /// written while training waits.
+  TORCH_ARG(bool, in_background) = true;
 
  public:  // TORCH_ARG leaves the section private.
   /// @brief Throws trainloop::ConfigurationError naming the first option out of range.

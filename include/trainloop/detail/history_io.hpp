@@ -12,7 +12,7 @@
 
 namespace trainloop::detail {
 
-/// One line per epoch, then one per recorded step: `key value` pairs separated by tabs; metric
+/// One line per epoch, then one per recorded step, then one per straggler record: `key value` pairs separated by tabs; metric
 /// names never hold tabs. Doubles are written with max_digits10, so they read back exactly.
 /// The History as text (one line per epoch, see the file comment).
 inline std::string history_to_text(const History& history) {
@@ -43,6 +43,10 @@ inline std::string history_to_text(const History& history) {
     if (s.momentum) out << "\tmomentum\t" << *s.momentum;
     out << '\n';
   }
+  for (const auto& s : history.stragglers) {
+    out << "straggler\t" << s.step << "\trank\t" << s.rank << "\tpid\t" << s.pid << "\thost\t" << s.host << "\tpart\t"
+        << s.part << "\texcess_ms\t" << s.excess_ms << "\tended\t" << (s.ended ? 1 : 0) << '\n';
+  }
   return out.str();
 }
 
@@ -66,6 +70,20 @@ inline History history_from_text(const std::string& text) {
         else if (key == "momentum") step.momentum = std::stod(value);
       }
       history.steps.push_back(step);
+      continue;
+    }
+    if (line.rfind("straggler\t", 0) == 0) {
+      StragglerRecord straggler;
+      while (std::getline(fields, key, '\t') && std::getline(fields, value, '\t')) {
+        if (key == "straggler") straggler.step = std::stoll(value);
+        else if (key == "rank") straggler.rank = std::stoll(value);
+        else if (key == "pid") straggler.pid = std::stoll(value);
+        else if (key == "host") straggler.host = value;
+        else if (key == "part") straggler.part = value;
+        else if (key == "excess_ms") straggler.excess_ms = std::stod(value);
+        else if (key == "ended") straggler.ended = value == "1";
+      }
+      history.stragglers.push_back(std::move(straggler));
       continue;
     }
     while (std::getline(fields, key, '\t') && std::getline(fields, value, '\t')) {

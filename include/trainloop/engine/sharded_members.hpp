@@ -46,6 +46,12 @@
 /// | load_optimizer_shares(optimizer, source)          | resuming: reads only this rank's share of the state   |
 /// |                                                   | and returns true; false (or absent): the loop loads   |
 /// |                                                   | every parameter's whole state                         |
+/// | checkpoint_mailbox()                              | the ranks' checkpoint writers tell rank 0's that their|
+/// |                                                   | files are written, behind training, without a         |
+/// |                                                   | collective (checkpoint/checkpoint_mailbox.hpp: the    |
+/// |                                                   | job's store). Default: none — such an engine's        |
+/// |                                                   | per-rank checkpoints are written in the foreground    |
+/// |                                                   | when it has more than one rank                        |
 ///
 /// DDP's ZeRO-1 defines step_optimizer and the checkpoint members (the latter through
 /// RankEngine's distributed/zero/sharded_state.hpp); FullyShardedDataParallel all of them. Per-rank checkpoints are written in
@@ -55,6 +61,7 @@
 /// and `optim.state.<name>.<field>` for its optimizer state (optim/param_state_fields.hpp names the
 /// fields; `step` is a 0-d float64 tensor).
 
+#include <trainloop/checkpoint/checkpoint_mailbox.hpp>
 #include <trainloop/checkpoint/checkpoint_shares.hpp>
 #include <trainloop/error.hpp>
 
@@ -174,6 +181,16 @@ bool load_optimizer_shares(Engine& engine, torch::optim::Optimizer& optimizer, S
     return engine.load_optimizer_shares(optimizer, source);
   } else {
     return false;
+  }
+}
+
+/// The messages between the ranks' checkpoint writers (see the table); none without the member.
+template <class Engine>
+CheckpointMailbox checkpoint_mailbox(Engine& engine) {
+  if constexpr (requires { { engine.checkpoint_mailbox() } -> std::convertible_to<CheckpointMailbox>; }) {
+    return engine.checkpoint_mailbox();
+  } else {
+    return {};
   }
 }
 

@@ -19,6 +19,7 @@
 ///   data, and returns on every rank. A rank we spawned ends its process when its fit() is done:
 ///   the program after fit() runs once, in the launching process.
 
+#include <trainloop/checkpoint/checkpoint_mailbox.hpp>
 #include <trainloop/checkpoint/checkpoint_shares.hpp>
 #include <trainloop/cpu/threads.hpp>
 #include <trainloop/distributed/comm/model_sync.hpp>
@@ -39,8 +40,10 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -139,6 +142,23 @@ class RankEngine {
   /// This rank's pieces of the parameters and of their optimizer state (views, no copy).
   std::vector<TensorShare> checkpoint_shares(Module& module, torch::optim::Optimizer& optimizer) {
     return sharded_.shares(module, optimizer, /*values_from_pieces=*/false);
+  }
+  /// The ranks' checkpoint writers' messages through the job group's store (checkpoint/checkpoint_mailbox.hpp);
+  /// none outside a rank.
+  detail::CheckpointMailbox checkpoint_mailbox() {
+    if (!group_) return {};
+    c10::intrusive_ptr<::c10d::Store> store = group_->store();
+    detail::CheckpointMailbox mailbox;
+    mailbox.post = [store](const std::string& key, const std::string& value) {
+      store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    };
+    mailbox.take = [store](const std::string& key) -> std::optional<std::string> {
+      if (!store->check({key})) return std::nullopt;
+      const std::vector<uint8_t> value = store->get(key);
+      store->deleteKey(key);
+      return std::string(value.begin(), value.end());
+    };
+    return mailbox;
   }
   /// Resuming from a per-rank checkpoint in a rank: lays the state out as the fit will and reads
   /// only this rank's pieces of the optimizer state; false in the launching process, on one rank

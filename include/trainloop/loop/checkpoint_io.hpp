@@ -19,6 +19,7 @@
 #include <trainloop/checkpoint/stateful.hpp>
 #include <trainloop/checkpoint/training_progress.hpp>
 #include <trainloop/detail/atomic_directory.hpp>
+#include <trainloop/detail/stopwatch.hpp>
 #include <trainloop/engine/sharded_members.hpp>
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
@@ -27,6 +28,7 @@
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/options.hpp>
+#include <trainloop/loop/background_checkpoint_io.hpp>
 #include <trainloop/loop/sharded_checkpoint_io.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 #include <trainloop/progress/test_kill_point.hpp>
@@ -36,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -74,31 +77,112 @@ class CheckpointIO {
   void save(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
             const MetricAccumulator* epoch_sums) {
     progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
-    // Every rank's random stream and, inside an epoch, its metric sums: gathered to rank 0.
-    const std::vector<torch::Tensor> rng = gather_rows(engine, capture_rng_state());
-    progress::test_kill_point(progress::KillPoint::Checkpoint);  // its peers are inside this checkpoint's collectives
-    TrainingProgress snapshot = progress_;
-    if (epoch_sums != nullptr && progress_.mid_epoch()) {
-      snapshot.partial_totals = torch::stack(gather_rows(engine, epoch_sums->packed_totals().to(torch::kCPU)));
-    }
-    CheckpointHeader header;
-    header.trainloop_version = identity_.trainloop_version;
-    header.mode = identity_.mode;
-    header.world_size = engine.world_size();
-    header.batch_size = options_.batch_size();
-    // Every rank its share, nothing gathered (a collective) — unless writers on other ranks than 0
-    // each want a copy of their own (the spawned ranks' handoff on several machines, each machine's
-    // local rank 0 writing into its launcher's directory): that copy is written gathered.
-    const bool other_writers = engine.world_size() > 1 && engine.any_rank(writes && engine.rank() != 0);
-    if (writes_sharded_checkpoint(engine) && !other_writers) {
-      save_sharded_checkpoint(engine, module_, optimizer_, path, [&](const std::filesystem::path& state_file) {
-        torch::serialize::OutputArchive groups;
-        save_optimizer_groups(optimizer_, groups);
-        torch::nn::Module no_model;  // the model is in the ranks' files
-        write_checkpoint(state_file, no_model, groups, snapshot, callbacks, rng, header);
-      });
+    background_.drain(engine);  // one in flight ends first: checkpoints commit in order
+    const Moment moment = this_moment(engine, epoch_sums);
+    if (writes_per_rank(engine, writes)) {
+      save_sharded_checkpoint(engine, module_, optimizer_, path, loop_state_writer(callbacks, moment));
       return;
     }
+    save_gathered(engine, callbacks, path, writes, moment);
+  }
+
+  /// Starts a checkpoint of the loop as it stands (TrainState::start_checkpoint): a per-rank one
+  /// is written behind training (loop/background_checkpoint_io.hpp), any other now. A collective.
+  template <ModeEngine Engine>
+  void start(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
+             const MetricAccumulator* epoch_sums, std::function<void(const CheckpointReport&)> done) {
+    progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
+    Stopwatch clock;
+    background_.make_room(engine);  // its report first; checkpoints commit in order
+    const Moment moment = this_moment(engine, epoch_sums);
+    if (writes_per_rank(engine, writes) && (engine.world_size() == 1 || checkpoint_mailbox(engine))) {
+      try {
+        background_.start(engine, module_, optimizer_, path, progress_.global_step, loop_state_writer(callbacks, moment),
+                          done);
+      } catch (const Error&) {  // agreed: every rank could not start it (stop_on_error decides)
+        done(CheckpointReport{path, std::current_exception(), true, clock.seconds(), clock.seconds()});
+      }
+      return;
+    }
+    CheckpointReport report{path, nullptr, false, 0.0, 0.0};
+    try {
+      if (writes_per_rank(engine, writes)) {
+        save_sharded_checkpoint(engine, module_, optimizer_, path, loop_state_writer(callbacks, moment));
+      } else {
+        save_gathered(engine, callbacks, path, writes, moment);
+      }
+    } catch (const Error&) {
+      report.error = std::current_exception();  // every rank has one (the writes are agreed)
+    }
+    report.blocked_seconds = report.seconds = clock.seconds();
+    done(report);
+  }
+
+  /// Before another checkpoint: waits for the one written behind training and reports it (back
+  /// pressure, said once). A collective while one is in flight; nothing otherwise.
+  template <ModeEngine Engine>
+  void make_room_for_checkpoint(Engine& engine) { background_.make_room(engine); }
+  /// Before the parameters or the optimizer state change in place: waits for the copy of a
+  /// checkpoint being written behind training. No collective.
+  void await_checkpoint_capture() { background_.await_capture(); }
+  /// At a step boundary, on every rank: reports a checkpoint written behind training once every
+  /// rank agrees it ended (a small collective while one is in flight).
+  template <ModeEngine Engine>
+  void poll_checkpoints(Engine& engine) { background_.poll(engine); }
+  /// Waits for a checkpoint written behind training and reports it (end of fit(): a collective).
+  template <ModeEngine Engine>
+  void finish_checkpoints(Engine& engine) { background_.drain(engine); }
+  /// Drops a checkpoint being written behind training, uncommitted (fit() failed). No collective.
+  void cancel_checkpoints() { background_.cancel(); }
+
+ private:
+  /// What a checkpoint holds besides the model and optimizer: every rank's random stream and,
+  /// inside an epoch, its metric sums (gathered to rank 0: a collective), the progress, the header.
+  struct Moment {
+    std::vector<torch::Tensor> rng;
+    TrainingProgress progress;
+    CheckpointHeader header;
+  };
+  template <ModeEngine Engine>
+  Moment this_moment(Engine& engine, const MetricAccumulator* epoch_sums) {
+    Moment moment;
+    moment.rng = gather_rows(engine, capture_rng_state());
+    progress::test_kill_point(progress::KillPoint::Checkpoint);  // its peers are inside this checkpoint's collectives
+    moment.progress = progress_;
+    if (epoch_sums != nullptr && progress_.mid_epoch()) {
+      moment.progress.partial_totals = torch::stack(gather_rows(engine, epoch_sums->packed_totals().to(torch::kCPU)));
+    }
+    moment.header.trainloop_version = identity_.trainloop_version;
+    moment.header.mode = identity_.mode;
+    moment.header.world_size = engine.world_size();
+    moment.header.batch_size = options_.batch_size();
+    return moment;
+  }
+  /// Every rank its share, nothing gathered (a collective) — unless writers on other ranks than 0
+  /// each want a copy of their own (the spawned ranks' handoff on several machines, each machine's
+  /// local rank 0 writing into its launcher's directory): that copy is written gathered.
+  template <ModeEngine Engine>
+  bool writes_per_rank(Engine& engine, bool writes) {
+    const bool other_writers = engine.world_size() > 1 && engine.any_rank(writes && engine.rank() != 0);
+    return writes_sharded_checkpoint(engine) && !other_writers;
+  }
+  /// trainloop.pt of a per-rank checkpoint (rank 0): the model is in the ranks' files.
+  std::function<void(const std::filesystem::path&)> loop_state_writer(const KeyedStates& callbacks, const Moment& moment) {
+    return [this, &callbacks, &moment](const std::filesystem::path& state_file) {
+      torch::serialize::OutputArchive groups;
+      save_optimizer_groups(optimizer_, groups);
+      torch::nn::Module no_model;
+      write_checkpoint(state_file, no_model, groups, moment.progress, callbacks, moment.rng, moment.header);
+    };
+  }
+  /// The whole model and optimizer state in one file rank 0 writes (a collective for a sharded
+  /// mode: its ranks' shards are gathered).
+  template <ModeEngine Engine>
+  void save_gathered(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
+                     const Moment& moment) {
+    const TrainingProgress& snapshot = moment.progress;
+    const std::vector<torch::Tensor>& rng = moment.rng;
+    const CheckpointHeader& header = moment.header;
     // A collective for a sharded mode (its ranks' shards); otherwise only the writer serializes.
     unshard_parameters(engine);  // the model written whole
     torch::serialize::OutputArchive optimizer_state;
@@ -119,6 +203,7 @@ class CheckpointIO {
                             });
   }
 
+ public:
   /// Writes a checkpoint of the loop from this process alone (elastic training's hand-off): the
   /// model and optimizer state this process holds (replicated: every rank's), its progress and
   /// callbacks, and every rank's random stream and partial epoch sums as the engine's last step
@@ -206,6 +291,7 @@ class CheckpointIO {
   const TrainLoopOptions& options_;
   TrainingProgress& progress_;
   RunIdentity identity_;
+  BackgroundCheckpoints background_;
 };
 
 }  // namespace trainloop::detail

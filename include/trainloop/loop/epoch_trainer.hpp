@@ -30,6 +30,7 @@
 #include <trainloop/options.hpp>
 #include <trainloop/precision/autocast.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
+#include <trainloop/progress/straggler_events.hpp>
 #include <trainloop/progress/test_kill_point.hpp>
 
 #include <torch/torch.h>
@@ -251,6 +252,8 @@ class EpochTrainer {
                                                }};
     // Elastic training: the step's commit gathers every rank's sums with the streams (engine/step_commit.hpp).
     if (commits_steps(engine)) stage_step_totals(engine, run.epoch_sums->packed_totals());
+    // A checkpoint being written behind training copies the state this step changes: it waits for that.
+    if (run.await_checkpoint_capture) run.await_checkpoint_capture();
     pass.last_step = run_optimizer_step(engine, request);
     if (run.scaler) {
       state.skipped_steps = run.scaler->skipped_steps();
@@ -270,6 +273,11 @@ class EpochTrainer {
         pass.start_position + static_cast<uint64_t>(pass.plan.combined_samples_before(state.batch - pass.batches_done));
     progress_.seconds_into_epoch = pass.seconds_before + pass.clock.seconds();
     progress_.data_wait_into_epoch = pass.data_wait;
+    if (run.poll_checkpoints) run.poll_checkpoints();  // a checkpoint behind training that ended reports first
+    for (const StragglerRecord& straggler : progress::straggler_events().take()) {  // rank 0's watchdog named one
+      progress_.history.stragglers.push_back(straggler);
+      notify_callbacks(run, "on_straggler", [&](Callback& cb) { cb.on_straggler(state, straggler); });
+    }
     notify_callbacks(run, "on_step_end", [&](Callback& cb) { cb.on_step_end(state); });
     // Every rank agrees whether to stop after this step (one small collective per step).
     const bool stop = engine.any_rank(state.stop_requested);

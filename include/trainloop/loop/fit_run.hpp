@@ -14,6 +14,7 @@
 #include <trainloop/progress/progress_beacon.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -39,6 +40,10 @@ struct FitRun {
   Stopwatch clock;              ///< since the call started
   std::optional<GradScaler> scaler;              ///< fp16's loss scaler
   std::optional<MetricAccumulator> epoch_sums;   ///< the current epoch's sums, while it trains
+  /// Before the optimizer step: waits for a checkpoint written behind training to hold its copy.
+  std::function<void()> await_checkpoint_capture;
+  /// At each step boundary: reports a checkpoint written behind training once the ranks agree it ended.
+  std::function<void()> poll_checkpoints;
 };
 
 /// Calls `hook_call(callback)` for every active callback in order, each in the phase "callback"

@@ -81,11 +81,13 @@ class FitRunner {
     struct EndFit {
       Engine& engine;
       std::optional<FitRun>& run;
+      CheckpointIO<Module>& checkpoints;
       ~EndFit() {
+        checkpoints.cancel_checkpoints();  // one still in flight after an error: uncommitted, its thread ended
         run.reset();
         engine.end_fit();
       }
-    } end_fit{engine, run_};
+    } end_fit{engine, run_, checkpoints_};
     // sync_batchnorm: SyncBatchNorm layers reduce their statistics over the ranks during this fit.
     std::optional<nn::detail::SyncBatchNormScope> sync_batchnorm;
     if (options_.sync_batchnorm() && engine.world_size() > 1) {
@@ -103,11 +105,13 @@ class FitRunner {
     try {
       notify_callbacks(run, "on_fit_begin", [&](Callback& cb) { cb.on_fit_begin(run.state); });
       train_epochs(engine, run);
+      checkpoints_.finish_checkpoints(engine);  // the last one written behind training, committed and reported
       progress_.fit_finished = true;
       run.visible = progress_.visible_history();
       // No whole-model gather here: a callback that reads the weights asks (TrainState::whole_weights),
       // and end_fit() hands the caller the whole model.
       notify_callbacks(run, "on_fit_end", [&](Callback& cb) { cb.on_fit_end(run.state, run.visible); });
+      checkpoints_.finish_checkpoints(engine);  // one a callback started in on_fit_end
     } catch (...) {
       error = std::current_exception();
     }
@@ -218,6 +222,14 @@ class FitRunner {
     state.save_checkpoint = [this, &engine, keyed](const std::filesystem::path& path) {
       save_checkpoint(engine, keyed, path, engine.is_main());
     };
+    state.start_checkpoint = [this, &engine, keyed](const std::filesystem::path& path,
+                                                    std::function<void(const CheckpointReport&)> done) {
+      checkpoints_.start(engine, keyed, path, engine.is_main(), run_ && run_->epoch_sums ? &*run_->epoch_sums : nullptr,
+                         std::move(done));
+    };
+    state.wait_for_checkpoints = [this, &engine] { checkpoints_.make_room_for_checkpoint(engine); };
+    run.await_checkpoint_capture = [this] { checkpoints_.await_checkpoint_capture(); };
+    run.poll_checkpoints = [this, &engine] { checkpoints_.poll_checkpoints(engine); };
     describe_weights(engine, state);
   }
 
@@ -226,8 +238,12 @@ class FitRunner {
   template <ModeEngine Engine>
   void describe_weights(Engine& engine, TrainState& state) {
     state.gather_whole_weights = [&engine] { unshard_parameters(engine); };
-    state.free_whole_weights = [&engine] { reshard_parameters(engine); };
+    state.free_whole_weights = [this, &engine] {
+      checkpoints_.await_checkpoint_capture();  // the shares are written back
+      reshard_parameters(engine);
+    };
     state.copy_own_weights = [this, &engine] {
+      checkpoints_.await_checkpoint_capture();  // fsdp full refreshes its own chunks from whole units
       torch::NoGradGuard no_grad;
       OwnWeights own;
       if (auto shares = parameter_shares(engine)) {
@@ -240,6 +256,7 @@ class FitRunner {
       return own;
     };
     state.restore_own_weights = [this, &engine](const OwnWeights& own) {
+      checkpoints_.await_checkpoint_capture();  // a checkpoint behind training still copying the weights
       torch::NoGradGuard no_grad;
       auto buffers = module_.buffers();
       TRAINLOOP_CHECK(own.tensors.size() >= buffers.size(), "the weights put back hold ", own.tensors.size(),

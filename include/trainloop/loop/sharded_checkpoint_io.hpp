@@ -15,6 +15,7 @@
 /// A kill at any moment leaves the previous checkpoint whole and at most a temporary directory,
 /// which the next writer in that directory removes once its owner is dead.
 
+#include <trainloop/checkpoint/background_write.hpp>
 #include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/checkpoint/loop_checkpoint.hpp>
 #include <trainloop/detail/atomic_directory.hpp>
@@ -46,24 +47,6 @@ inline std::string row_text(const torch::Tensor& row) {
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
 }
 
-/// The current exception as a trainloop::Error: a CheckpointError naming `path` with the cause
-/// nested, for what is not one already (an allocation, libtorch, the file system), so every
-/// rank's failure is one ModelCheckpoint handles (stop_on_error off: every rank goes on).
-inline std::exception_ptr checkpoint_failure(const std::filesystem::path& path) {
-  try {
-    throw;
-  } catch (const Error&) {
-    return std::current_exception();
-  } catch (const std::exception& error) {
-    try {
-      std::throw_with_nested(CheckpointError(concat("trainloop: cannot write the checkpoint ", path.string(), ": ",
-                                                    error.what(), "; the previous checkpoints are unchanged")));
-    } catch (...) {
-      return std::current_exception();
-    }
-  }
-}
-
 /// Throws on every rank when any rank failed (`failure` its own error, rethrown as itself there).
 template <ModeEngine Engine>
 void agree_or_throw(Engine& engine, const std::exception_ptr& failure, const std::filesystem::path& path) {
@@ -74,17 +57,49 @@ void agree_or_throw(Engine& engine, const std::exception_ptr& failure, const std
                                "unchanged"));
 }
 
-/// Writes a per-rank checkpoint of `module` and `optimizer` at `path` (see the file comment). A
-/// collective. `write_loop_state(file)` writes trainloop.pt on rank 0.
-/// @throws trainloop::CheckpointError on every rank when any rank could not write.
-template <ModeEngine Engine, class Module>
-void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optimizer& optimizer,
-                             const std::filesystem::path& target,
-                             const std::function<void(const std::filesystem::path&)>& write_loop_state) {
+/// The tensors of a per-rank checkpoint that no rank shards, which rank 0 writes whole.
+struct UnshardedTensors {
+  std::vector<std::pair<std::string, torch::Tensor>> parameters;  ///< those the optimizer does not step
+  std::vector<std::pair<std::string, torch::Tensor>> buffers;     ///< the model's buffers
+};
+
+/// The optimizer's parameters are the layout every rank's shares cut; the rest is written whole by
+/// rank 0 (a tied parameter once, under its first name).
+template <class Module>
+UnshardedTensors unsharded_tensors(Module& module, torch::optim::Optimizer& optimizer) {
+  UnshardedTensors whole;
+  std::unordered_set<const void*> seen;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& parameter : group.params()) seen.insert(parameter.unsafeGetTensorImpl());
+  }
+  for (const auto& item : module.named_parameters()) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) whole.parameters.emplace_back("model." + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers()) whole.buffers.emplace_back("model." + item.key(), item.value());
+  return whole;
+}
+
+/// Rank 0 removes the temporary directory of a checkpoint unless it was committed (or handed on).
+struct RemoveUnlessCommitted {
+  std::filesystem::path directory;  ///< the temporary directory
+  bool armed;                       ///< whether it is removed at the end (rank 0, not committed)
+  RemoveUnlessCommitted(std::filesystem::path made, bool remove) : directory(std::move(made)), armed(remove) {}
+  RemoveUnlessCommitted(RemoveUnlessCommitted&& other) noexcept
+      : directory(std::move(other.directory)), armed(std::exchange(other.armed, false)) {}
+  RemoveUnlessCommitted& operator=(RemoveUnlessCommitted&&) = delete;
+  ~RemoveUnlessCommitted() {
+    std::error_code ignored;
+    if (armed && !directory.empty()) std::filesystem::remove_all(directory, ignored);
+  }
+};
+
+/// Step 1 of the commit: rank 0 makes the temporary directory next to `path` and every rank learns
+/// its name (a collective). The guard removes it on rank 0 unless disarmed.
+/// @throws trainloop::CheckpointError on every rank when rank 0 could not make it.
+template <ModeEngine Engine>
+RemoveUnlessCommitted agreed_temporary_directory(Engine& engine, const std::filesystem::path& path) {
   const bool main = engine.rank() == 0;
   std::exception_ptr failure;
-  const std::filesystem::path path = target.has_filename() ? target : target.parent_path();  // "runs/x.ckpt/"
-  // 1. The temporary directory, named by rank 0.
   std::string temporary;
   if (main) {
     try {
@@ -93,33 +108,39 @@ void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optim
       failure = checkpoint_failure(path);
     }
   }
-  struct RemoveUnlessCommitted {  // on rank 0, whatever fails after this
-    std::filesystem::path directory;
-    bool armed;
-    ~RemoveUnlessCommitted() {
-      std::error_code ignored;
-      if (armed && !directory.empty()) std::filesystem::remove_all(directory, ignored);
-    }
-  } cleanup{temporary, main};
-  temporary = row_text(gather_rows(engine, text_row(temporary)).front());
+  RemoveUnlessCommitted made(temporary, main);
+  made.directory = row_text(gather_rows(engine, text_row(temporary)).front());
   agree_or_throw(engine, failure, path);
+  return made;
+}
+
+/// The checkpoint's directory name: "runs/x.ckpt/" is "runs/x.ckpt".
+inline std::filesystem::path checkpoint_directory_name(const std::filesystem::path& target) {
+  return target.has_filename() ? target : target.parent_path();
+}
+
+/// Writes a per-rank checkpoint of `module` and `optimizer` at `path` (see the file comment). A
+/// collective. `write_loop_state(file)` writes trainloop.pt on rank 0.
+/// @throws trainloop::CheckpointError on every rank when any rank could not write.
+template <ModeEngine Engine, class Module>
+void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optimizer& optimizer,
+                             const std::filesystem::path& target,
+                             const std::function<void(const std::filesystem::path&)>& write_loop_state) {
+  const bool main = engine.rank() == 0;
+  const std::filesystem::path path = checkpoint_directory_name(target);
+  // 1. The temporary directory, named by rank 0.
+  RemoveUnlessCommitted cleanup = agreed_temporary_directory(engine, path);
+  const std::filesystem::path temporary = cleanup.directory;
   // 2. Every rank's file: its shares; on rank 0 also what no rank shards, whole.
+  std::exception_ptr failure;
   std::string part;
   try {
     const std::vector<TensorShare> shares = checkpoint_shares(engine, module, optimizer);
     std::vector<std::pair<std::string, torch::Tensor>> whole;
     if (main) {
-      // The optimizer's parameters are the layout every rank's shares cut; the rest is whole here.
-      std::unordered_set<const void*> seen;  // and a tied parameter once, under its first name
-      for (const auto& group : optimizer.param_groups()) {
-        for (const auto& parameter : group.params()) seen.insert(parameter.unsafeGetTensorImpl());
-      }
-      for (const auto& item : module.named_parameters()) {
-        if (seen.insert(item.value().unsafeGetTensorImpl()).second) {
-          whole.emplace_back("model." + item.key(), item.value());
-        }
-      }
-      for (const auto& item : module.named_buffers()) whole.emplace_back("model." + item.key(), item.value());
+      UnshardedTensors unsharded = unsharded_tensors(module, optimizer);
+      whole = std::move(unsharded.parameters);
+      whole.insert(whole.end(), unsharded.buffers.begin(), unsharded.buffers.end());
     }
     part = write_rank_part(temporary, static_cast<int>(engine.rank()), shares, whole);
   } catch (...) {
@@ -131,7 +152,7 @@ void save_sharded_checkpoint(Engine& engine, Module& module, torch::optim::Optim
   auto commit = [&] {
     std::vector<std::string> texts;
     for (const auto& row : parts) texts.push_back(row_text(row));
-    write_loop_state(std::filesystem::path(temporary) / kDcpLoopStateFile);
+    write_loop_state(temporary / kDcpLoopStateFile);
     write_checkpoint_metadata(temporary, texts, path.string());
     commit_directory(temporary, path);
     cleanup.armed = false;

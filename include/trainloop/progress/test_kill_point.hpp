@@ -10,7 +10,9 @@
 /// gradient bucket was handed to the all-reduce: its peers are inside that collective),
 /// `optimizer` (the step's gradients reduced and agreed, before the optimizer steps), `checkpoint`
 /// (inside a checkpoint write at the end of that step), `evaluation` (the validation after the
-/// epoch whose last step is that one). Only the process whose rank matches dies. With
+/// epoch whose last step is that one), `background-write` (the writer thread of the checkpoint
+/// written behind training at the end of that step, once its file is written and before it tells
+/// rank 0 or, on rank 0, commits: checkpoint/background_write.hpp). Only the process whose rank matches dies. With
 /// `TRAINLOOP_TEST_KILL_MARK=<file>` it dies only if the file does not exist yet, and writes the
 /// time of the kill into it first (seconds since the Unix epoch): a restarted rank reaching the
 /// same point lives, and a benchmark knows when the death happened.
@@ -31,7 +33,7 @@
 namespace trainloop::progress {
 
 /// Where a test may kill a rank (see the file comment).
-enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation };
+enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite };
 
 namespace detail {
 
@@ -60,6 +62,7 @@ inline KillPlan parse_kill_plan() {
   else if (point == "optimizer") plan.point = KillPoint::Optimizer;
   else if (point == "checkpoint") plan.point = KillPoint::Checkpoint;
   else if (point == "evaluation") plan.point = KillPoint::Evaluation;
+  else if (point == "background-write") plan.point = KillPoint::BackgroundWrite;
   else return plan;
   plan.armed = plan.rank == std::atoi(own);
   if (const char* mark = std::getenv("TRAINLOOP_TEST_KILL_MARK")) plan.mark = mark;
@@ -73,19 +76,26 @@ inline const KillPlan& kill_plan() {
 
 }  // namespace detail
 
-/// Kills this process when the test plan names this rank, the step in flight and `point`.
-inline void test_kill_point(KillPoint point) {
+/// Kills this process when the test plan names this rank, `step` and `point` (a thread that is
+/// not the training thread: the step it works for).
+inline void test_kill_point(KillPoint point, std::int64_t step) {
   const detail::KillPlan& plan = detail::kill_plan();
-  if (!plan.armed || plan.point != point) return;
-  // A checkpoint written at the end of step S, and the validation after it, see S completed.
-  const bool after_step = point == KillPoint::Checkpoint || point == KillPoint::Evaluation;
-  if (progress_beacon().global_step() + (after_step ? 0 : 1) != plan.step) return;
+  if (!plan.armed || plan.point != point || step != plan.step) return;
   if (!plan.mark.empty()) {
     if (std::filesystem::exists(plan.mark)) return;  // killed once already: a restarted rank lives
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     std::ofstream(plan.mark) << std::fixed << now << '\n';
   }
   ::kill(::getpid(), SIGKILL);
+}
+
+/// Kills this process when the test plan names this rank, the step in flight and `point`.
+inline void test_kill_point(KillPoint point) {
+  const detail::KillPlan& plan = detail::kill_plan();
+  if (!plan.armed || plan.point != point) return;
+  // A checkpoint written at the end of step S, and the validation after it, see S completed.
+  const bool after_step = point == KillPoint::Checkpoint || point == KillPoint::Evaluation;
+  test_kill_point(point, progress_beacon().global_step() + (after_step ? 0 : 1));
 }
 
 }  // namespace trainloop::progress

@@ -31,6 +31,7 @@
 #include <trainloop/distributed/watch/stall_options.hpp>
 #include <trainloop/distributed/watch/stall_report.hpp>
 #include <trainloop/distributed/watch/straggler_watch.hpp>
+#include <trainloop/progress/straggler_events.hpp>
 #include <trainloop/distributed/watch/terminate_hook.hpp>
 #include <trainloop/distributed/watch/watch_board.hpp>
 #include <trainloop/error.hpp>
@@ -138,6 +139,7 @@ class StallWatchdog {
       if (auto record = board_.read(r)) records.push_back(std::move(*record));
     }
     for (const std::string& line : straggler_.update(records)) std::fprintf(stderr, "%s\n", line.c_str());
+    for (StragglerRecord& record : straggler_.take_records()) progress::straggler_events().post(std::move(record));
   }
 
   /// Every rank's record — at most once per period x max(2, world size / 64): while ranks wait or

@@ -13,10 +13,12 @@
 ///
 ///     trainloop: straggler: rank 2 (pid 4711, host n3) +148 ms per step in backward (step 17)
 ///
-/// and a line when it no longer trails. Defaults from measurements: see docs/modes-and-launching.md.
+/// and a line when it no longer trails; each also as a StragglerRecord, which the rank's training
+/// thread adds to the History and hands to Callback::on_straggler. Defaults from measurements: see docs/modes-and-launching.md.
 
 #include <trainloop/distributed/watch/rank_record.hpp>
 #include <trainloop/distributed/watch/stall_options.hpp>
+#include <trainloop/history.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trainloop::distributed {
@@ -63,6 +66,10 @@ class StragglerWatch {
       if (++clear_in_a_row_ >= options_.readings) {
         lines.push_back(line_head(named_) + " no longer trails (it did for " +
                         seconds_text(std::chrono::duration<double>(now - named_since_).count()) + ")");
+        StragglerRecord ended = named_record_;
+        ended.step = newest_step(records);
+        ended.ended = true;
+        records_.push_back(std::move(ended));
         named_ = -1;
       }
     } else {
@@ -73,15 +80,23 @@ class StragglerWatch {
       if (named_ != candidate_) named_since_ = now;
       named_ = candidate_;
       last_line_ = now;
-      std::int64_t step = 0;
-      for (const RankRecord& record : records) step = std::max(step, record.step);
+      const std::int64_t step = newest_step(records);
       char excess[96];
       std::snprintf(excess, sizeof excess, " +%.0f ms per step in %s (step %lld)", reading->excess_ms,
                     progress::step_part_name(reading->part), static_cast<long long>(step));
       lines.push_back(line_head(named_) + excess);
+      const auto who = who_.find(named_);
+      named_record_ = StragglerRecord{step, named_, who != who_.end() ? who->second.first : 0,
+                                      who != who_.end() ? who->second.second : std::string(),
+                                      progress::step_part_name(reading->part), reading->excess_ms, false};
+      records_.push_back(named_record_);
     }
     return lines;
   }
+
+  /// What update() logged since the last call, as History records (for the training thread:
+  /// progress/straggler_events.hpp).
+  std::vector<StragglerRecord> take_records() { return std::exchange(records_, {}); }
 
   /// The rank named now (-1: none).
   int named() const { return named_; }
@@ -143,6 +158,11 @@ class StragglerWatch {
     return found;
   }
 
+  static std::int64_t newest_step(const std::vector<RankRecord>& records) {
+    std::int64_t step = 0;
+    for (const RankRecord& record : records) step = std::max(step, record.step);
+    return step;
+  }
   static double total(const std::vector<double>& parts) {
     double sum = 0.0;
     for (double value : parts) sum += value;
@@ -173,6 +193,8 @@ class StragglerWatch {
   int clear_in_a_row_ = 0;                                 // readings in a row the named one was not past them
   std::chrono::steady_clock::time_point named_since_{};
   std::chrono::steady_clock::time_point last_line_{};
+  StragglerRecord named_record_;                           // the named one's last naming
+  std::vector<StragglerRecord> records_;                   // logged since take_records()
 };
 
 }  // namespace trainloop::distributed

@@ -1,0 +1,217 @@
+#pragma once
+/// @file
+/// @brief One rank's part of a per-rank checkpoint written behind training, by a thread of its
+/// own, with every guarantee of the foreground write (loop/sharded_checkpoint_io.hpp):
+///
+/// 1. (training thread, before) rank 0 made the temporary directory and wrote the loop's state
+///    into it; every rank planned its ShareCapture (checkpoint/share_capture.hpp);
+/// 2. the thread copies the rank's shares into the capture's host buffers — the training thread
+///    waits for that (wait_copied) only before its next optimizer step changes them;
+/// 3. it writes and fsyncs the rank's `__<rank>_0.distcp` from the buffers and posts its part of
+///    the metadata (or its error) through the CheckpointMailbox — no collective;
+/// 4. rank 0's thread takes every rank's part, merges them into `.metadata` and commits the
+///    directory (detail/atomic_directory.hpp), or, when any rank failed, removes it.
+///
+/// A kill at any moment leaves the previous checkpoint whole (the directory appears only at the
+/// commit) and at most a temporary directory, which the next writer removes once its owner is dead.
+/// The loop (loop/background_checkpoint_io.hpp) decides with every rank, at a step boundary, when
+/// the write is over, and reports its outcome there.
+
+#include <trainloop/checkpoint/checkpoint_mailbox.hpp>
+#include <trainloop/checkpoint/dcp_checkpoint.hpp>
+#include <trainloop/checkpoint/share_capture.hpp>
+#include <trainloop/detail/atomic_directory.hpp>
+#include <trainloop/error.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace trainloop::detail {
+
+/// The current exception as a trainloop::Error: a CheckpointError naming `path` with the cause
+/// nested, for what is not one already (an allocation, libtorch, the file system), so every
+/// rank's failure is one ModelCheckpoint handles (stop_on_error off: every rank goes on).
+inline std::exception_ptr checkpoint_failure(const std::filesystem::path& path) {
+  try {
+    throw;
+  } catch (const Error&) {
+    return std::current_exception();
+  } catch (const std::exception& error) {
+    try {
+      std::throw_with_nested(CheckpointError(concat("trainloop: cannot write the checkpoint ", path.string(), ": ",
+                                                    error.what(), "; the previous checkpoints are unchanged")));
+    } catch (...) {
+      return std::current_exception();
+    }
+  }
+}
+
+/// What `error` says (its what()).
+inline std::string error_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& caught) {
+    return caught.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// @brief Where a background write goes and who writes it.
+struct BackgroundWriteSetup {
+  std::filesystem::path temporary;  ///< the directory every rank writes its file into
+  std::filesystem::path target;     ///< the checkpoint's name, where rank 0 commits it
+  int rank = 0;                     ///< this rank
+  int world_size = 1;               ///< ranks writing a file each
+  int64_t step = 0;                 ///< the optimizer steps the checkpoint holds (the test kill point's step)
+  std::string mailbox_key;          ///< unique per checkpoint: rank r posts under `<key>/<r>`
+};
+
+/// @brief This rank's part of a checkpoint written by a thread of its own (see the file comment).
+class BackgroundCheckpointWrite {
+ public:
+  /// Starts the thread. `capture` was planned for this checkpoint and outlives the write.
+  BackgroundCheckpointWrite(BackgroundWriteSetup setup, ShareCapture& capture, CheckpointMailbox mailbox)
+      : setup_(std::move(setup)), capture_(capture), mailbox_(std::move(mailbox)), thread_([this] { run(); }) {}
+  BackgroundCheckpointWrite(const BackgroundCheckpointWrite&) = delete;
+  BackgroundCheckpointWrite& operator=(const BackgroundCheckpointWrite&) = delete;
+  ~BackgroundCheckpointWrite() { cancel(); }
+
+  /// Blocks until the state is copied into the host buffers (the training thread, before its next
+  /// optimizer step). Returns at once after that, and after a failure.
+  void wait_copied() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    copied_changed_.wait(lock, [this] { return copied_; });
+  }
+  /// Rank 0: whether every rank's file is in and the checkpoint committed or given up (then
+  /// join() returns at once). Other ranks: whether this rank's part is posted.
+  bool finished() const { return finished_.load(); }
+  /// Blocks until finished() (no collective).
+  void wait_finished() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    copied_changed_.wait(lock, [this] { return finished_.load(); });
+  }
+  /// Waits for the thread; returns this rank's error, null when its part is written (rank 0: the
+  /// checkpoint committed; its error names any rank that failed).
+  std::exception_ptr join() {
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+  /// Stops waiting for the others and ends the thread without committing (fit() failed); rank 0
+  /// removes the temporary directory. No collective.
+  void cancel() {
+    cancelled_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void run() {
+    std::string part;
+    try {
+      const bool copied = capture_.copy(cancelled_);
+      set_copied();
+      if (!copied) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
+      serialization::dcp::DistcpWriter writer(setup_.temporary, setup_.rank);
+      for (const CapturedBox& box : capture_.boxes()) writer.add_tensor_chunk(box.key, box.buffer, box.offsets, box.size);
+      part = serialization::dcp::metadata_pickle(writer.finish());
+      progress::test_kill_point(progress::KillPoint::BackgroundWrite, setup_.step);
+    } catch (...) {
+      set_copied();
+      error_ = checkpoint_failure(setup_.target);
+    }
+    if (setup_.rank != 0) {
+      try {
+        mailbox_.post(setup_.mailbox_key + "/" + std::to_string(setup_.rank), error_ ? "F" + error_text(error_) : "K" + part);
+      } catch (...) {
+        if (!error_) error_ = checkpoint_failure(setup_.target);
+      }
+    } else {
+      commit_on_rank_zero(std::move(part));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_.store(true);
+    copied_changed_.notify_all();
+  }
+
+  /// Rank 0: every rank's part, then the metadata and the commit — or the directory removed.
+  void commit_on_rank_zero(std::string own_part) {
+    std::vector<std::string> parts(static_cast<size_t>(setup_.world_size));
+    parts[0] = std::move(own_part);
+    std::string failure;
+    try {
+      collect_parts(parts, failure);
+    } catch (...) {  // the store gone (its host lost): the write fails, the thread ends
+      if (!error_) error_ = checkpoint_failure(setup_.target);
+    }
+    try {
+      if (error_) std::rethrow_exception(error_);
+      if (cancelled_.load()) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
+      if (!failure.empty()) {
+        throw CheckpointError(concat("trainloop: another rank could not write its share of the checkpoint ",
+                                     setup_.target.string(), " (", failure, "); nothing was committed, the previous "
+                                     "checkpoints are unchanged"));
+      }
+      write_checkpoint_metadata(setup_.temporary, parts, setup_.target.string());
+      commit_directory(setup_.temporary, setup_.target);
+    } catch (...) {
+      if (!error_) error_ = checkpoint_failure(setup_.target);
+      std::error_code ignored;
+      std::filesystem::remove_all(setup_.temporary, ignored);
+    }
+  }
+
+  /// Rank 0: what every other rank posted, its part or its failure (the first named in `failure`);
+  /// stops early when cancelled.
+  void collect_parts(std::vector<std::string>& parts, std::string& failure) {
+    for (int r = 1; r < setup_.world_size; ++r) {
+      const std::string key = setup_.mailbox_key + "/" + std::to_string(r);
+      std::optional<std::string> message;
+      // Polled (a blocking store read would hold the store's client while the training thread
+      // and the watchdog use it); the first reply is usually in already.
+      for (auto pause = std::chrono::milliseconds(1); !(message = mailbox_.take(key));
+           pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
+        if (cancelled_.load()) return;
+        std::this_thread::sleep_for(pause);
+      }
+      if (message->empty() || message->front() != 'K') {
+        if (failure.empty()) failure = concat("rank ", r, ": ", message->empty() ? std::string("no reason") : message->substr(1));
+        continue;
+      }
+      parts[static_cast<size_t>(r)] = message->substr(1);
+    }
+  }
+
+  void set_copied() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    copied_ = true;
+    copied_changed_.notify_all();
+  }
+
+  BackgroundWriteSetup setup_;
+  ShareCapture& capture_;
+  CheckpointMailbox mailbox_;
+  std::mutex mutex_;
+  std::condition_variable copied_changed_;
+  bool copied_ = false;
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> cancelled_{false};
+  std::exception_ptr error_;
+  std::thread thread_;  // last: starts once everything above is made
+};
+
+}  // namespace trainloop::detail
