@@ -19,6 +19,7 @@
 
 #include <trainloop/trainloop.hpp>
 
+#include "bench_common.hpp"
 #include "deep_linear.hpp"
 
 #include <CLI/CLI.hpp>
@@ -63,12 +64,7 @@ struct StallLog : tl::Callback {
   std::shared_ptr<tl::ModelCheckpoint> checkpoints;
 };
 
-double median(std::vector<double> values) {
-  if (values.empty()) return 0.0;
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
+using bench::median;
 
 }  // namespace
 

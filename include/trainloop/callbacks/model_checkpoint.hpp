@@ -132,7 +132,8 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
     }
     std::optional<std::pair<double, std::string>> best;
     // A checkpoint still written behind training ends first: the best list it adds to decides.
-    if (options_.in_background() && state.wait_for_checkpoints) state.wait_for_checkpoints();
+    const bool may_write = periodic || (!options_.monitor().empty() && options_.keep_best() > 0);
+    if (may_write && options_.in_background() && state.wait_for_checkpoints) state.wait_for_checkpoints();
     if (!options_.monitor().empty() && options_.keep_best() > 0) {
       const double value = trainloop::monitored_value(record, options_.monitor(), "ModelCheckpoint");
       // The main process's lists decide (a restore on another machine may not see its files);
