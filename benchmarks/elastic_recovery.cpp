@@ -1,4 +1,4 @@
-// elastic_recovery: what a lost rank costs a DDP job (issue 52), trainloop's launcher spawning
+// elastic_recovery: what a lost rank costs a DDP or sharded job (issue 52; --sharding), trainloop's launcher spawning
 // --ranks CPU ranks of benchmarks/deep_linear.hpp's DeepLinear with Adam. One job per call;
 // benchmarks/run_elastic_recovery.sh interleaves the scenarios and prints the table
 // (benchmarks/README.md, "Elastic training").
@@ -75,7 +75,7 @@ using bench::median;
 
 int main(int argc, char** argv) {
   CLI::App app{"What a lost rank costs a DDP job: elastic training against a restart from the newest checkpoint"};
-  std::string scenario = "elastic", dir = "/tmp/trainloop_elastic_recovery";
+  std::string scenario = "elastic", dir = "/tmp/trainloop_elastic_recovery", sharding = "none";
   int ranks = 3, kill_rank = 2, elastic_flag = 1;
   int64_t layers = 6, width = 4096, batch_size = 8, steps = 12, kill_at = 6, every = 4;
   app.add_option("--scenario", scenario)->check(CLI::IsMember({"steady", "elastic", "restart"}));
@@ -88,6 +88,8 @@ int main(int argc, char** argv) {
   app.add_option("--width", width, "layer width");
   app.add_option("--batch-size", batch_size, "per-rank batch size");
   app.add_option("--steps", steps, "optimizer steps of the epoch at --ranks ranks");
+  app.add_option("--sharding", sharding, "none (DDP), optimizer (ZeRO-1), gradients or full (fsdp)")
+      ->check(CLI::IsMember({"none", "optimizer", "gradients", "full"}));
   app.add_option("--dir", dir, "work directory (the log, the kill mark, the checkpoints); emptied first");
   CLI11_PARSE(app, argc, argv);
   const bool launching = std::getenv("TRAINLOOP_RANK") == nullptr;
@@ -116,10 +118,15 @@ int main(int argc, char** argv) {
                   .device_type(torch::kCPU)
                   .timeout(std::chrono::seconds(300))
                   .elastic(scenario == "elastic" || (scenario == "steady" && elastic_flag != 0))
-                  .max_restarts(scenario == "restart" ? 1 : 0);
-  tl::TrainLoop<DeepLinear, tl::gpu_mode::DistributedDataParallel> loop(
+                  .max_restarts(scenario == "restart" ? 1 : 0)
+                  .zero(sharding == "optimizer");
+  tl::gpu_mode::Any chosen = mode;
+  if (sharding == "gradients" || sharding == "full") {
+    chosen = tl::gpu_mode::FullyShardedDataParallel().processes_like(mode).sharding(tl::distributed::sharding_named(sharding));
+  }
+  tl::TrainLoop<DeepLinear, tl::gpu_mode::Any> loop(
       net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(batch_size).progress(false),
-      mode);
+      chosen);
   tl::CallbackList callbacks{std::make_shared<StepClock>(log)};
   if (scenario == "restart") {
     callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(
@@ -148,8 +155,8 @@ int main(int argc, char** argv) {
     if (line.step > completed_before && progress == 0.0) progress = line.time - death;
   }
   const long lost = death > 0.0 ? completed_before - (first_after - 1) : 0;
-  std::printf("elastic_recovery scenario=%s elastic=%d ranks=%d->%d parameters=%.1fM step_s=%.3f steps_logged=%zu",
-              scenario.c_str(), static_cast<int>(mode.elastic()), ranks, lines.empty() ? 0 : lines.back().world,
+  std::printf("elastic_recovery scenario=%s sharding=%s elastic=%d ranks=%d->%d parameters=%.1fM step_s=%.3f steps_logged=%zu",
+              scenario.c_str(), sharding.c_str(), static_cast<int>(mode.elastic()), ranks, lines.empty() ? 0 : lines.back().world,
               static_cast<double>(parameters) / 1e6, median(before), lines.size());
   if (scenario != "steady") {
     std::printf(" killed_in_step=%ld death_to_next_step_s=%.3f death_to_progress_s=%.3f steps_lost=%ld", kill_at,

@@ -3,6 +3,7 @@
 # 1. a clean run (3 ranks, 2400 images): its test accuracy, and no "straggler:" line;
 # 2. --elastic with rank 2 killed by `kill -9` during epoch 2: exit status 0, the lost rank named,
 #    the test accuracy within 0.03 of the clean run's (the last steps ran on 2 ranks), no process left;
+#    with --gpu-mode ddp, then --gpu-mode fsdp (sharding full: the lost rank's shards from its neighbour's copy);
 # 3. rank 1 stopped 150 ms of every 300 ms (SIGSTOP/SIGCONT): a "straggler:" line names its pid.
 #
 #   tests/example_elastic.sh <fashion_mnist executable> <scratch dir>
@@ -11,7 +12,8 @@ example=$1
 work=$2
 rm -rf "$work"
 mkdir -p "$work"
-args=(--gpu-mode ddp --procs 3 --train-samples 2400 --batch-size 32 --progress epochs)
+base=(--procs 3 --train-samples 2400 --batch-size 32 --progress epochs)
+args=(--gpu-mode ddp "${base[@]}")
 
 accuracy() { grep -a "test accuracy" "$1" | tail -n 1 | sed -E 's/.*test accuracy ([0-9.]+).*/\1/'; }
 ranks_of() { pgrep -P "$1" | sort -n; }  # the launcher's children, spawned in rank order
@@ -21,22 +23,31 @@ fail() { echo "FAIL: $1" >&2; cat "$2" >&2; exit 1; }
 clean=$(accuracy "$work/clean.log")
 grep -aq "straggler:" "$work/clean.log" && fail "a clean run named a straggler" "$work/clean.log"
 
-"$example" "${args[@]}" --epochs 2 --elastic > "$work/elastic.log" 2>&1 &
-pid=$!
-for _ in $(seq 1 600); do grep -aq "epoch 1" "$work/elastic.log" && break; sleep 0.1; done
-for _ in $(seq 1 100); do [[ $(ranks_of "$pid" | wc -l) == 3 ]] && break; sleep 0.1; done
-ranks=$(ranks_of "$pid")
-victim=$(echo "$ranks" | sed -n 3p)
-[[ -n $victim ]] || fail "no rank 2 to kill" "$work/elastic.log"
-kill -9 "$victim"
-status=0
-wait "$pid" || status=$?
-[[ $status == 0 ]] || fail "the elastic run ended with status $status" "$work/elastic.log"
-grep -aq "rank 2 (pid $victim) lost at step" "$work/elastic.log" || fail "the lost rank was not named" "$work/elastic.log"
-elastic=$(accuracy "$work/elastic.log")
-awk -v a="$elastic" -v b="$clean" 'BEGIN { d = a - b; exit (d <= 0.03 && d >= -0.03) ? 0 : 1 }' ||
-  fail "test accuracy $elastic after the loss, $clean without" "$work/elastic.log"
-for rank in $ranks; do kill -0 "$rank" 2> /dev/null && fail "rank pid $rank still running" "$work/elastic.log"; done
+# $1: the log's name; the rest: the mode's flags (ddp, then fsdp: sharded state rebuilt from a neighbour's copy).
+kill_rank_2_mid_run() {
+  local log=$work/$1.log
+  shift
+  "$example" "$@" "${base[@]}" --epochs 2 --elastic > "$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 600); do grep -aq "epoch 1" "$log" && break; sleep 0.1; done
+  for _ in $(seq 1 100); do [[ $(ranks_of "$pid" | wc -l) == 3 ]] && break; sleep 0.1; done
+  local ranks victim status=0
+  ranks=$(ranks_of "$pid")
+  victim=$(echo "$ranks" | sed -n 3p)
+  [[ -n $victim ]] || fail "no rank 2 to kill" "$log"
+  kill -9 "$victim"
+  wait "$pid" || status=$?
+  [[ $status == 0 ]] || fail "the elastic run ($*) ended with status $status" "$log"
+  grep -aq "rank 2 (pid $victim) lost at step" "$log" || fail "the lost rank was not named" "$log"
+  local elastic
+  elastic=$(accuracy "$log")
+  awk -v a="$elastic" -v b="$clean" 'BEGIN { d = a - b; exit (d <= 0.03 && d >= -0.03) ? 0 : 1 }' ||
+    fail "test accuracy $elastic after the loss ($*), $clean without" "$log"
+  for rank in $ranks; do kill -0 "$rank" 2> /dev/null && fail "rank pid $rank still running" "$log"; done
+  echo "$* after losing rank 2: test accuracy $elastic; $(grep -a 'lost at step' "$log")"
+}
+kill_rank_2_mid_run elastic --gpu-mode ddp
+kill_rank_2_mid_run elastic_fsdp --gpu-mode fsdp
 
 "$example" "${args[@]}" --epochs 3 > "$work/slow.log" 2>&1 &
 pid=$!
@@ -51,5 +62,5 @@ while kill -0 "$pid" 2> /dev/null; do
 done
 wait "$pid" || fail "the slowed run failed" "$work/slow.log"
 grep -aq "straggler: rank 1 (pid $slow," "$work/slow.log" || fail "the slowed rank 1 (pid $slow) was not named" "$work/slow.log"
-echo "clean $clean, after losing rank 2 $elastic; $(grep -a 'lost at step' "$work/elastic.log"); $(grep -a 'straggler:' "$work/slow.log" | head -1)"
+echo "clean $clean; $(grep -a 'straggler:' "$work/slow.log" | head -1)"
 rm -rf "$work"

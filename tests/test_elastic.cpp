@@ -45,12 +45,13 @@ int resumed_from_step(const std::string& output) {
 
 /// Runs ddp_worker with `world` ranks, elastic, one rank killed as `kill` says (rank:step:phase),
 /// then the deliberate reference: `world` ranks writing a checkpoint every step, that step's
-/// checkpoint resumed on world-1 ranks. Both must end alike, bit for bit.
+/// checkpoint resumed on world-1 ranks. Both must end alike, bit for bit. `mode` (a sharding
+/// level) applies to all three runs, `extra` to the elastic one.
 void lost_rank_equals_deliberate_change(const std::string& name, int world, const std::string& kill,
-                                        const std::string& extra = "") {
+                                        const std::string& extra = "", const std::string& mode = "") {
   const fs::path dir = fresh_dir("elastic_" + name);
   WorkerRun elastic = run_worker("ckpt", world, 0,
-                                 common_settings() + extra + "TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" + (dir / "elastic").string() +
+                                 common_settings() + mode + extra + "TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" + (dir / "elastic").string() +
                                      " TRAINLOOP_TEST_KILL_AT=" + kill,
                                  "_elastic_" + name);
   BOOST_TEST_MESSAGE(name << ": " << elastic.output);
@@ -60,13 +61,13 @@ void lost_rank_equals_deliberate_change(const std::string& name, int world, cons
   const int committed = resumed_from_step(elastic.output);
 
   WorkerRun before = run_worker("ckpt", world, 0,
-                                common_settings() + "TL_TEST_EVERY_STEPS=1 TL_TEST_CKPT_DIR=" + (dir / "before").string(),
+                                common_settings() + mode + "TL_TEST_EVERY_STEPS=1 TL_TEST_CKPT_DIR=" + (dir / "before").string(),
                                 "_before_" + name);
   BOOST_REQUIRE_MESSAGE(before.exit_code == 0, before.output);
   const fs::path resumed_checkpoint = checkpoint_after(dir / "before", committed, (kSamples + 4 * world - 1) / (4 * world));
   BOOST_REQUIRE_MESSAGE(fs::exists(resumed_checkpoint), resumed_checkpoint.string());
   WorkerRun after = run_worker("ckpt", world - 1, 0,
-                               common_settings() + "TL_TEST_CKPT_DIR=" + (dir / "after").string() +
+                               common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / "after").string() +
                                    " TL_TEST_RESUME=" + resumed_checkpoint.string(),
                                "_after_" + name);
   BOOST_REQUIRE_MESSAGE(after.exit_code == 0, after.output);
@@ -119,6 +120,47 @@ BOOST_AUTO_TEST_CASE(two_ranks_lose_one_after_its_commit_and_the_last_goes_on_al
 
 BOOST_AUTO_TEST_CASE(three_ranks_lose_one_inside_a_checkpoint_write) {
   lost_rank_equals_deliberate_change("checkpoint", 3, "2:4:checkpoint", "TL_TEST_EVERY_STEPS=2 ");
+}
+
+// Sharded state (docs/elastic.md): the lost rank's shards come from its neighbour's copy, every
+// survivor's own from its copy of the same step; the survivors resume from that step on W-1 ranks.
+// The deliberate runs train elastic too (nobody lost): an elastic group sums sharded gradients with
+// an all-reduce, whose rounding on 3 ranks may differ from Gloo's reduce-scatter's.
+
+BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_in_its_forward_and_end_as_two_would_from_that_step) {
+  lost_rank_equals_deliberate_change("full_forward", 3, "2:3:forward", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(three_ranks_with_zero1_lose_one_inside_a_gradient_all_reduce_inside_an_epoch) {
+  lost_rank_equals_deliberate_change("optimizer_backward", 3, "1:7:backward", "", "TL_TEST_SHARDING=optimizer TL_TEST_ELASTIC=1 ");
+}
+
+BOOST_AUTO_TEST_CASE(two_ranks_at_sharding_gradients_lose_one_after_its_commit_and_the_last_goes_on_alone) {
+  lost_rank_equals_deliberate_change("gradients_optimizer", 2, "1:4:optimizer", "", "TL_TEST_SHARDING=gradients TL_TEST_ELASTIC=1 ");
+}
+
+BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_inside_the_exchange_of_the_copies) {
+  // Rank 2 dies between the two passes of step 5's copies: its keeper never gets them whole, so
+  // the survivors go on from step 4's or step 3's copies, whichever every one of them holds.
+  lost_rank_equals_deliberate_change("full_share_copy", 3, "2:5:share-copy", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(two_neighbours_lost_at_once_end_a_sharded_job_named) {
+  // Rank 1 kept rank 2's only copy: nothing can rebuild rank 2's shards.
+  const fs::path dir = fresh_dir("elastic_neighbours");
+  WorkerRun run = run_worker("ckpt", 3, 0,
+                             common_settings() + "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" +
+                                 (dir / "ckpt").string() + " TRAINLOOP_TEST_KILL_AT=1:3:forward,2:3:forward",
+                             "_elastic_neighbours");
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code != 0);
+  BOOST_TEST(run.output.find("kept the only copy of its shards") != std::string::npos, run.output);
+  BOOST_TEST(leftover_workers() == 0);
+  BOOST_TEST(hand_off_files_left() == 0);
+  fs::remove_all(run.dir);
+  fs::remove_all(dir);
 }
 
 BOOST_AUTO_TEST_CASE(losing_rank_zero_ends_the_job_named_and_leaves_nothing) {

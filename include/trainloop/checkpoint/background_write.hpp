@@ -72,6 +72,15 @@ inline std::string error_text(const std::exception_ptr& error) {
   }
 }
 
+/// Writes `__<rank>_0.distcp` into `directory` from captured boxes (their buffers) and returns
+/// its part of the metadata (write_checkpoint_metadata takes the parts back).
+inline std::string write_captured_rank_file(const std::filesystem::path& directory, int rank,
+                                            const std::vector<CapturedBox>& boxes) {
+  serialization::dcp::DistcpWriter writer(directory, rank);
+  for (const CapturedBox& box : boxes) writer.add_tensor_chunk(box.key, box.buffer, box.offsets, box.size);
+  return serialization::dcp::metadata_pickle(writer.finish());
+}
+
 /// @brief Where a background write goes and who writes it.
 struct BackgroundWriteSetup {
   std::filesystem::path temporary;  ///< the directory every rank writes its file into
@@ -126,9 +135,7 @@ class BackgroundCheckpointWrite {
       const bool copied = capture_.copy(cancelled_);
       set_copied();
       if (!copied) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
-      serialization::dcp::DistcpWriter writer(setup_.temporary, setup_.rank);
-      for (const CapturedBox& box : capture_.boxes()) writer.add_tensor_chunk(box.key, box.buffer, box.offsets, box.size);
-      part = serialization::dcp::metadata_pickle(writer.finish());
+      part = write_captured_rank_file(setup_.temporary, setup_.rank, capture_.boxes());
       progress::test_kill_point(progress::KillPoint::BackgroundWrite, setup_.step);
     } catch (...) {
       set_copied();

@@ -65,8 +65,13 @@ inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
     if (!(any_rank ? any_rank(failure != nullptr) : failure != nullptr)) {
       if (is_main && resume.announce) std::cerr << "trainloop: resumed from " << resume.candidates[i].string() << '\n';
       if (resume.consume) {
-        std::error_code ignored;  // a file of this process only: nothing to report if it is gone
-        std::filesystem::remove(resume.candidates[i], ignored);
+        std::error_code ignored;  // nothing to report if it is gone
+        if (std::filesystem::is_directory(resume.candidates[i], ignored)) {
+          // A per-rank checkpoint every rank read: every rank passed the agreement above, so rank 0 removes it.
+          if (is_main) std::filesystem::remove_all(resume.candidates[i], ignored);
+        } else {
+          std::filesystem::remove(resume.candidates[i], ignored);  // a file of this process only
+        }
       }
       return true;
     }

@@ -45,8 +45,11 @@ class ShareCapture {
  public:
   /// Cuts `shares` and the tensors written `whole` (rank 0: what no rank shards; `volatile_whole`
   /// are copied now, the model's buffers) into boxes with their buffers. Training thread.
+  /// `one_block`: every buffer is a row-major view into one byte block (block()), which travels
+  /// to another rank as one message (elastic training's neighbour copies).
   void plan(const std::vector<TensorShare>& shares, const std::vector<std::pair<std::string, torch::Tensor>>& whole,
-            const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole) {
+            const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole, bool one_block = false) {
+    if (one_block) return plan_in_one_block(shares, whole, volatile_whole);
     std::vector<torch::Tensor> spare;
     for (CapturedBox& box : boxes_) spare.push_back(std::move(box.buffer));
     const std::vector<bool> spare_pinned = std::move(pinned_);
@@ -85,6 +88,8 @@ class ShareCapture {
 
   /// The boxes, in the order they are written.
   const std::vector<CapturedBox>& boxes() const { return boxes_; }
+  /// The byte block every buffer is a view into (plan()'s `one_block`), else undefined.
+  const torch::Tensor& block() const { return block_; }
   /// Bytes of host memory the buffers hold (one rank's part of a checkpoint).
   int64_t buffer_bytes() const {
     int64_t bytes = 0;
@@ -93,6 +98,36 @@ class ShareCapture {
   }
 
  private:
+  /// plan() with every buffer carved out of one block (reused when the total size is the same),
+  /// each box 64-byte aligned.
+  void plan_in_one_block(const std::vector<TensorShare>& shares, const std::vector<std::pair<std::string, torch::Tensor>>& whole,
+                         const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole) {
+    boxes_.clear();
+    pinned_.clear();
+    for (const TensorShare& share : shares) add_share(share);
+    for (const auto& [key, tensor] : whole) add_whole(key, tensor);
+    for (const auto& [key, tensor] : volatile_whole) add_whole(key, tensor);
+    volatile_whole_boxes_ = volatile_whole.size();
+    std::vector<int64_t> at;
+    int64_t total = 0;
+    bool pinned = false;
+    for (const CapturedBox& box : boxes_) {
+      at.push_back(total);
+      total += (box.source.numel() * static_cast<int64_t>(box.source.element_size()) + 63) / 64 * 64;
+      pinned = pinned || !box.source.device().is_cpu();
+    }
+    if (!block_.defined() || block_.numel() != total || block_.is_pinned() != pinned) {
+      block_ = torch::empty({total}, torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(pinned));
+    }
+    for (size_t i = 0; i < boxes_.size(); ++i) {
+      CapturedBox& box = boxes_[i];
+      const int64_t bytes = box.source.numel() * static_cast<int64_t>(box.source.element_size());
+      box.buffer = block_.narrow(0, at[i], bytes).view(box.source.scalar_type()).view(box.source.sizes());
+      pinned_.push_back(pinned);
+    }
+    for (size_t i = boxes_.size() - volatile_whole_boxes_; i < boxes_.size(); ++i) copy_box(boxes_[i]);
+  }
+
   void add_share(const TensorShare& share) {
     const torch::Tensor values = share.values.detach();
     if (share.size.empty()) {  // a 0-d step counter
@@ -155,6 +190,7 @@ class ShareCapture {
 
   std::vector<CapturedBox> boxes_;
   std::vector<bool> pinned_;  // per box: its buffer is page-locked
+  torch::Tensor block_;       // plan()'s one_block: what every buffer views
   size_t volatile_whole_boxes_ = 0;
 };
 

@@ -64,8 +64,6 @@ struct DistributedDataParallel : MultiProcess<DistributedDataParallel> {
     validate_processes();
     TRAINLOOP_CHECK(first_bucket_cap_bytes_ > 0 && bucket_cap_bytes_ > 0, "bucket caps are ", first_bucket_cap_bytes_,
                     " and ", bucket_cap_bytes_, " bytes; expected positive sizes");
-    TRAINLOOP_CHECK(!elastic() || !zero_, "elastic training with zero(true); expected ZeRO off: a lost rank's optimizer "
-                    "shard is not yet rebuilt from a neighbour's copy in this release (docs/elastic.md)");
     TRAINLOOP_CHECK(!elastic() || !comm_hook_, "elastic training with a comm hook; expected none: a hook's per-rank "
                     "state (PowerSGD's error feedback) does not survive a regroup in this release (docs/elastic.md)");
   }

@@ -92,10 +92,10 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
       parameters_->free_all();  // each rank keeps its chunks, and evaluates unit by unit after the fit
     } else if (parameters_) {
       try {
-        parameters_->release(clean);
+        parameters_->release(clean, !mode_.elastic());
       } catch (...) {
         try {
-          parameters_->release(false);
+          parameters_->release(false, !mode_.elastic());
         } catch (...) {
         }
       }
@@ -138,6 +138,7 @@ class FullyShardedEngine : public RankEngine<Module, gpu_mode::FullyShardedDataP
   /// Reduces the units backward did not complete (unused parameters, a rank without samples).
   void before_optimizer_step() {
     if (gradients_) gradients_->finalize();
+    this->commit_step();  // elastic training: the reduced step committed (gpu_mode/rank_engine.hpp)
   }
 
   // ---- the optimizer step's seams (engine/optimizer_step.hpp) ----

@@ -56,9 +56,6 @@ struct FullyShardedDataParallel : MultiProcess<FullyShardedDataParallel> {
     TRAINLOOP_CHECK(sharding_ == distributed::Sharding::Gradients || sharding_ == distributed::Sharding::Full,
                     "fsdp's sharding is ", distributed::sharding_name(sharding_), "; expected gradients or full "
                     "(sharding none and optimizer are gpu_mode::DistributedDataParallel, the latter with zero(true))");
-    TRAINLOOP_CHECK(!elastic(), "elastic training with fsdp (sharding ", distributed::sharding_name(sharding_),
-                    "); expected gpu_mode ddp without ZeRO: a lost rank's shards are not yet rebuilt from a "
-                    "neighbour's copy in this release (docs/elastic.md)");
   }
 };
 

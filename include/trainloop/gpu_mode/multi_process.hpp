@@ -75,7 +75,9 @@ class MultiProcess {
   /// (killed, crashed, its machine gone), the others abandon the step in flight, agree through
   /// the store who is left, form a new group and go on from the newest step any of them
   /// committed, resharding the data over the survivors: no restart, nothing read from the
-  /// checkpoints. Over Gloo, replicated state (ddp without ZeRO or a comm hook) in this release.
+  /// checkpoints. Sharded state (ZeRO-1/2/3) too: each rank keeps a copy of its neighbour's
+  /// shards, refreshed every step (distributed/elastic/share_copies.hpp; one machine in this
+  /// release). Over Gloo, without a comm hook.
   TRAINLOOP_MODE_ARG(bool, elastic) = false;
   /// Elastic: how long a rank on another machine (whose process cannot be seen from here) has to
   /// report after a loss before it counts as lost too.

@@ -26,6 +26,7 @@
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/elastic/elastic_fit.hpp>
+#include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
 #include <trainloop/distributed/watch/watchdog_start.hpp>
@@ -40,7 +41,11 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -122,6 +127,17 @@ class RankEngine {
 
   // ---- elastic training: step commits (engine/step_commit.hpp) -----------------------------
   bool commits_steps() const { return mode_.elastic() && group_ != nullptr && group_->world_size() > 1; }
+  /// Elastic training of sharded state: each step's shares copied, and sent to a neighbour
+  /// (distributed/elastic/share_copies.hpp).
+  bool keeps_share_copies() const { return commits_steps() && sharded_.holds_share(); }
+  /// The copies of the state the last step left (global step `step`): this rank's `shares`, on
+  /// rank 0 `whole` and `volatile_whole` and the loop's state (`write_loop_state`). A collective.
+  void keep_share_copies(int64_t step, const std::vector<TensorShare>& shares,
+                         const std::vector<std::pair<std::string, torch::Tensor>>& whole,
+                         const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole,
+                         const std::function<void(const std::filesystem::path&)>& write_loop_state) {
+    share_copies_.keep(*group_, *env_, step, shares, whole, volatile_whole, rank() == 0 ? write_loop_state : nullptr);
+  }
   void stage_step_totals(const torch::Tensor& totals) { commits_.stage(totals); }
   std::optional<CommittedRows> committed_rows() const { return commits_.rows(); }
   /// Zeroes the gradients keeping their tensors (in libtorch 2.x too, whose default sets them to
@@ -204,6 +220,10 @@ class RankEngine {
         parts.put_back_committed_state = [this] {
           commits_.restore_buffers(module_->buffers());
           for (auto& parameter : module_->parameters()) parameter.mutable_grad().reset();  // a step half done
+          sharded_.forget_layout();  // sharded state: laid out anew for the survivors, read from the hand-off
+        };
+        parts.share_copies = [this]() -> distributed::elastic::ShareCopies* {
+          return sharded_.holds_share() ? &share_copies_ : nullptr;
         };
         return distributed::elastic::train_elastic(actions, from, parts);
       };
@@ -224,14 +244,25 @@ class RankEngine {
     if (!spawned() && !std::exchange(synced_since_join_, false)) distributed::broadcast_module_state(*module_, *group_);
     if (group_->world_size() > 1) buffers_ = module_->buffers();
     commits_.begin_fit();
+    share_copies_.reset();
+    // The hand-off of sharded state after a loss is a per-rank checkpoint in this machine's memory.
+    TRAINLOOP_CHECK(!mode_.elastic() || sharded_.state() == distributed::ShardedState::State::Replicated ||
+                        env_->world_size == env_->local_world_size,
+                    "elastic training of sharded state (ZeRO) on ", env_->world_size / std::max(env_->local_world_size, 1),
+                    " machines; expected one machine in this release (the survivors hand the shards on through its "
+                    "memory), or elastic training without sharding (docs/elastic.md)");
   }
   /// Elastic training: the step's commit, once its gradients are reduced and before the optimizer
   /// steps (a collective; nothing without elastic training or with one rank).
   void commit_step() {
     if (commits_steps()) commits_.commit(*group_, buffers_, mode_.broadcast_buffers());
   }
-  /// What join_fit() listed, let go at the fit's end.
-  void leave_fit() noexcept { buffers_.clear(); }
+  /// What join_fit() listed, let go at the fit's end; the copies of sharded state too, unless the
+  /// fit ends with an exception (a lost rank's survivors hand the state on from them).
+  void leave_fit() noexcept {
+    buffers_.clear();
+    if (std::uncaught_exceptions() == 0) share_copies_.reset();
+  }
 
   Mode mode_;
   std::shared_ptr<Module> module_;
@@ -251,6 +282,7 @@ class RankEngine {
   }
 
   distributed::elastic::StepCommitter commits_;  // elastic training: this fit's step commits
+  distributed::elastic::ShareCopies share_copies_;  // elastic training of sharded state: the last two steps' copies
   bool synced_since_join_ = false;      // prepare() broadcast rank 0's state and no fit has used that yet
   std::vector<torch::Tensor> buffers_;  // listed once per fit, broadcast after every step
 };

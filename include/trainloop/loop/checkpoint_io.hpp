@@ -36,6 +36,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -216,17 +217,34 @@ class CheckpointIO {
     const std::optional<CommittedRows> rows = committed_rows(engine);
     TRAINLOOP_CHECK(rows.has_value() && !rows->rng.empty(), "save_committed() with no step committed in this fit; "
                     "expected a step commit (elastic training) first");
-    TrainingProgress snapshot = progress_;
-    if (progress_.mid_epoch()) snapshot.partial_totals = torch::stack(rows->totals);
-    CheckpointHeader header;
-    header.trainloop_version = identity_.trainloop_version;
-    header.mode = identity_.mode;
-    header.world_size = rows->world_size;
-    header.batch_size = options_.batch_size();
     torch::serialize::OutputArchive optimizer_state;
     save_optimizer_state(optimizer_, optimizer_state);
     nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
-    write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rows->rng, header);
+    write_committed(path, module_, optimizer_state, callbacks, *rows);
+  }
+
+  /// Elastic training of sharded state: the engine's copies of the state the last step left
+  /// (distributed/elastic/share_copies.hpp) — this rank's shares, and on rank 0 what no rank
+  /// shards and the loop's state as a per-rank checkpoint's trainloop.pt holds it, with every
+  /// rank's streams and sums from the last commit. At the start of each optimizer step once a step
+  /// of this fit was committed; a collective. Nothing for an engine that keeps no copies.
+  template <ModeEngine Engine>
+  void keep_share_copies(Engine& engine, const KeyedStates& callbacks) {
+    if constexpr (requires { { engine.keeps_share_copies() } -> std::convertible_to<bool>; }) {
+      if (!engine.keeps_share_copies()) return;
+      const std::optional<CommittedRows> rows = committed_rows(engine);
+      if (!rows.has_value() || rows->rng.empty()) return;  // no commit yet: a loss starts the fit again
+      progress::PhaseScope phase(progress::Phase::CheckpointWrite, "elastic share copies");
+      UnshardedTensors whole;
+      if (engine.rank() == 0) whole = unsharded_tensors(module_, optimizer_);
+      engine.keep_share_copies(progress_.global_step, checkpoint_shares(engine, module_, optimizer_), whole.parameters,
+                               whole.buffers, [&](const std::filesystem::path& file) {
+                                 torch::serialize::OutputArchive groups;
+                                 save_optimizer_groups(optimizer_, groups);
+                                 torch::nn::Module no_model;
+                                 write_committed(file, no_model, groups, callbacks, *rows);
+                               });
+    }
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
@@ -258,6 +276,22 @@ class CheckpointIO {
   }
 
  private:
+  /// A checkpoint of the committed step `rows` came from (save_committed, keep_share_copies):
+  /// this process's `model` and optimizer part, its progress and callbacks, every rank's streams
+  /// and, inside an epoch, sums from the commit, with the world size that committed it.
+  void write_committed(const std::filesystem::path& path, const torch::nn::Module& model,
+                       torch::serialize::OutputArchive& optimizer_part, const KeyedStates& callbacks,
+                       const CommittedRows& rows) {
+    TrainingProgress snapshot = progress_;
+    if (progress_.mid_epoch()) snapshot.partial_totals = torch::stack(rows.totals);
+    CheckpointHeader header;
+    header.trainloop_version = identity_.trainloop_version;
+    header.mode = identity_.mode;
+    header.world_size = rows.world_size;
+    header.batch_size = options_.batch_size();
+    write_checkpoint(path, model, optimizer_part, snapshot, callbacks, rows.rng, header);
+  }
+
   /// A per-rank checkpoint (checkpoint/dcp_checkpoint.hpp), written by any mode and world size:
   /// the model read tensor by tensor, the optimizer state as this engine keeps it (a sharded
   /// engine reads only its share), all or nothing as restore_checkpoint().

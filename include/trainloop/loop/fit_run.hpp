@@ -44,6 +44,8 @@ struct FitRun {
   std::function<void()> await_checkpoint_capture;
   /// At each step boundary: reports a checkpoint written behind training once the ranks agree it ended.
   std::function<void()> poll_checkpoints;
+  /// At the start of each optimizer step: elastic training's copies of sharded state (a collective).
+  std::function<void()> keep_share_copies;
 };
 
 /// Calls `hook_call(callback)` for every active callback in order, each in the phase "callback"

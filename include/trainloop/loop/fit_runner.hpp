@@ -230,6 +230,7 @@ class FitRunner {
     state.wait_for_checkpoints = [this, &engine] { checkpoints_.make_room_for_checkpoint(engine); };
     run.await_checkpoint_capture = [this] { checkpoints_.await_checkpoint_capture(); };
     run.poll_checkpoints = [this, &engine] { checkpoints_.poll_checkpoints(engine); };
+    run.keep_share_copies = [this, &engine, keyed] { checkpoints_.keep_share_copies(engine, keyed); };
     describe_weights(engine, state);
   }
 

@@ -26,7 +26,9 @@
 namespace trainloop::progress {
 
 /// What a collective does; part of its fingerprint.
-enum class CollectiveKind : std::uint8_t { AllReduceSum, AllReduceMax, Broadcast, AllGather, Gather, ReduceScatter, Barrier };
+enum class CollectiveKind : std::uint8_t {
+  AllReduceSum, AllReduceMax, Broadcast, AllGather, Gather, ReduceScatter, Barrier, PassToLeft
+};
 
 /// The kind in words.
 inline const char* collective_kind_name(CollectiveKind kind) {
@@ -38,6 +40,7 @@ inline const char* collective_kind_name(CollectiveKind kind) {
     case CollectiveKind::Gather: return "gather";
     case CollectiveKind::ReduceScatter: return "reduce_scatter";
     case CollectiveKind::Barrier: return "barrier";
+    case CollectiveKind::PassToLeft: return "pass_to_left";
   }
   return "collective";
 }

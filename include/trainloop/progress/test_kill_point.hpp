@@ -12,13 +12,17 @@
 /// (inside a checkpoint write at the end of that step), `evaluation` (the validation after the
 /// epoch whose last step is that one), `background-write` (the writer thread of the checkpoint
 /// written behind training at the end of that step, once its file is written and before it tells
-/// rank 0 or, on rank 0, commits: checkpoint/background_write.hpp). Only the process whose rank matches dies. With
+/// rank 0 or, on rank 0, commits: checkpoint/background_write.hpp), `share-copy` (elastic training of sharded
+/// state: inside the exchange of the step's copies with the neighbours, at the start of that step:
+/// distributed/elastic/share_copies.hpp). Only the process whose rank matches dies; several
+/// comma-separated plans kill several ranks (`1:3:forward,2:3:forward`). With
 /// `TRAINLOOP_TEST_KILL_MARK=<file>` it dies only if the file does not exist yet, and writes the
 /// time of the kill into it first (seconds since the Unix epoch): a restarted rank reaching the
 /// same point lives, and a benchmark knows when the death happened.
 
 #include <trainloop/progress/progress_beacon.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -33,7 +37,7 @@
 namespace trainloop::progress {
 
 /// Where a test may kill a rank (see the file comment).
-enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite };
+enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite, ShareCopy };
 
 namespace detail {
 
@@ -51,7 +55,18 @@ inline KillPlan parse_kill_plan() {
   const char* own = std::getenv("TRAINLOOP_RANK");
   if (own == nullptr) own = std::getenv("RANK");
   if (text == nullptr || own == nullptr) return plan;
-  const std::string spec(text);
+  // This rank's plan among comma-separated ones (the first that names it; else the first).
+  std::string spec(text);
+  for (std::size_t start = 0; start <= spec.size();) {
+    const std::size_t end = std::min(spec.find(',', start), spec.size());
+    const std::string one = spec.substr(start, end - start);
+    if (one.substr(0, one.find(':')) == own) {
+      spec = one;
+      break;
+    }
+    start = end + 1;
+  }
+  if (const auto comma = spec.find(','); comma != std::string::npos) spec = spec.substr(0, comma);
   const auto first = spec.find(':'), second = spec.find(':', first == std::string::npos ? first : first + 1);
   if (first == std::string::npos || second == std::string::npos) return plan;
   plan.rank = std::atoi(spec.substr(0, first).c_str());
@@ -63,6 +78,7 @@ inline KillPlan parse_kill_plan() {
   else if (point == "checkpoint") plan.point = KillPoint::Checkpoint;
   else if (point == "evaluation") plan.point = KillPoint::Evaluation;
   else if (point == "background-write") plan.point = KillPoint::BackgroundWrite;
+  else if (point == "share-copy") plan.point = KillPoint::ShareCopy;
   else return plan;
   plan.armed = plan.rank == std::atoi(own);
   if (const char* mark = std::getenv("TRAINLOOP_TEST_KILL_MARK")) plan.mark = mark;

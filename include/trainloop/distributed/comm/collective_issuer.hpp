@@ -125,18 +125,8 @@ class CollectiveIssuer {
   /// rethrow_collective_failure() makes of it. While it blocks, the collective log (and so the
   /// stall watchdog) sees which collective it waits for.
   void wait(const ::trainloop::detail::WorkHandle& work, const char* what) const {
-    progress::CollectiveLog& log = progress::progress_beacon().collectives();
-    std::uint64_t seq = 0;
-    if (logged_) {
-      seq = log.seq_of(work.get());
-      if (seq == 0) seq = log.issued();
-      log.begin_wait(seq, what);
-    }
-    struct EndWait {
-      progress::CollectiveLog& log;
-      std::uint64_t seq;
-      ~EndWait() { log.end_wait(seq); }
-    } end_wait{log, seq};
+    const LoggedWait logged_wait = begin_wait(work, what);
+    const std::uint64_t seq = logged_wait.seq;
     // Elastic training: a wait on a group that lost a rank is abandoned (abandonable_wait.hpp).
     if (!wait_unless_abandoned(work, current_abandon_probe())) {
       throw CommunicationError(::trainloop::detail::concat(
@@ -150,12 +140,46 @@ class CollectiveIssuer {
     }
   }
 
+  /// Waits for a point-to-point operation (`what`, ProcessGroup::pass_to_left). Gloo's send and
+  /// receive complete only inside their own wait(), so no completion can be polled and the probe
+  /// of an elastic group cannot abandon the wait: a lost peer's closed connection ends it with an
+  /// error instead, and the group's timeout bounds it. The collective log sees the wait.
+  void wait_point_to_point(const ::trainloop::detail::WorkHandle& work, const char* what) const {
+    const LoggedWait logged_wait = begin_wait(work, what);
+    const std::uint64_t seq = logged_wait.seq;
+    try {
+      work->wait(timeout_);
+    } catch (...) {
+      rethrow_failure(seq, what);
+    }
+  }
+
   /// Turns the exception being handled, of collective `seq` (`what`), into what wait() documents.
   [[noreturn]] void rethrow_failure(std::uint64_t seq, const char* what) const {
     rethrow_collective_failure(seq, what, rank_, world_size_, backend_kind_, timeout_);
   }
 
  private:
+  /// A wait the collective log (and so the stall watchdog) sees, from begin_wait() to its end.
+  struct LoggedWait {
+    progress::CollectiveLog& log;
+    std::uint64_t seq;
+    LoggedWait(progress::CollectiveLog& wait_log, std::uint64_t wait_seq) : log(wait_log), seq(wait_seq) {}
+    LoggedWait(const LoggedWait&) = delete;
+    LoggedWait& operator=(const LoggedWait&) = delete;
+    ~LoggedWait() { log.end_wait(seq); }
+  };
+  LoggedWait begin_wait(const ::trainloop::detail::WorkHandle& work, const char* what) const {
+    progress::CollectiveLog& log = progress::progress_beacon().collectives();
+    std::uint64_t seq = 0;
+    if (logged_) {
+      seq = log.seq_of(work.get());
+      if (seq == 0) seq = log.issued();
+      log.begin_wait(seq, what);
+    }
+    return LoggedWait{log, seq};
+  }
+
   int rank_ = 0;
   int world_size_ = 0;
   Backend backend_kind_ = Backend::Gloo;

@@ -203,6 +203,15 @@ class ProcessGroup {
     issuer_.check_sharded_sizes(input, output, "reduce_scatter_sum");
     torch::Tensor flat_input = issuer_.staged(input).reshape({-1});
     torch::Tensor shard = issuer_.staged(output);
+    if (issuer_.backend() == Backend::Gloo && detail::current_abandon_probe()) {
+      // Elastic training: Gloo's reduce-scatter completes only inside its own wait(), which no
+      // probe can abandon when a rank is lost; an all-reduce's wait can be (comm/abandonable_wait.hpp).
+      // Twice the bytes on the wire; the same sums.
+      torch::Tensor whole = flat_input.clone();
+      all_reduce_sum(whole);
+      output.copy_(whole.narrow(0, static_cast<std::int64_t>(issuer_.rank()) * shard.numel(), shard.numel()).view_as(output));
+      return;
+    }
     std::vector<std::vector<torch::Tensor>> inputs{std::vector<torch::Tensor>(flat_input.chunk(issuer_.world_size()))};
     std::vector<torch::Tensor> outputs{shard.reshape({-1})};
     ::c10d::ReduceScatterOptions options;
@@ -244,6 +253,41 @@ class ProcessGroup {
     const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::AllGather, input);
     return issuer_.launched(seq, "all_gather_into",
                             [&] { return issuer_.native_checked()->allgather(outputs, inputs, options); });
+  }
+
+  /// Every rank sends `mine` (1-D uint8 on the CPU, any length) to the rank before it (rank r to
+  /// r-1, rank 0 to the last) and returns what the rank after it sent — in `reuse` when it has that
+  /// length (no allocation step after step), else in a new tensor. The lengths travel first (an
+  /// all-gather of one number per rank). Elastic training's neighbour copies of sharded state
+  /// (distributed/elastic/share_copies.hpp): (W-1)/W less on the wire than an all-gather would.
+  torch::Tensor pass_to_left(const torch::Tensor& mine, torch::Tensor reuse = torch::Tensor()) {
+    torch::NoGradGuard no_grad;
+    TRAINLOOP_CHECK(mine.dim() == 1 && mine.scalar_type() == torch::kUInt8 && mine.device().is_cpu(),
+                    "pass_to_left sends 1-D uint8 bytes on the CPU; got ", c10::toString(mine.scalar_type()), " ",
+                    mine.sizes(), " on ", mine.device());
+    const torch::Tensor lengths = all_gather(torch::full({1}, mine.numel(), torch::kInt64)).reshape({-1}).to(torch::kCPU);
+    const int world = issuer_.world_size();
+    const int left = (issuer_.rank() + world - 1) % world;
+    const int right = (issuer_.rank() + 1) % world;
+    const std::int64_t incoming = lengths[right].item<std::int64_t>();
+    torch::Tensor theirs = reuse.defined() && reuse.is_contiguous() && reuse.numel() == incoming &&
+                                   reuse.scalar_type() == torch::kUInt8 && reuse.device().is_cpu()
+                               ? reuse
+                               : torch::empty({incoming}, torch::kUInt8);
+    if (world == 1) {
+      theirs.copy_(mine);
+      return theirs;
+    }
+    std::vector<torch::Tensor> out{mine.contiguous()};
+    std::vector<torch::Tensor> in{theirs};
+    constexpr int kTag = 0x7e1a;  // this exchange's messages only
+    // Logged as one call without a size: the ranks' lengths differ by design.
+    const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::PassToLeft, torch::Tensor());
+    WorkHandle sent = issuer_.launched(seq, "pass_to_left", [&] { return issuer_.native_checked()->send(out, left, kTag); });
+    WorkHandle received = issuer_.launched(0, "pass_to_left", [&] { return issuer_.native_checked()->recv(in, right, kTag); });
+    issuer_.wait_point_to_point(received, "pass_to_left");
+    issuer_.wait_point_to_point(sent, "pass_to_left");
+    return theirs;
   }
 
   /// Blocks until every rank has reached the barrier.

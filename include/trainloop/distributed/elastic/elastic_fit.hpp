@@ -19,6 +19,7 @@
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/elastic/regroup.hpp>
+#include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/elastic/step_committer.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/engine/fit_actions.hpp>
@@ -51,6 +52,9 @@ struct ElasticFitParts {
   std::function<void()> put_back_committed_state;  ///< buffers as committed, gradients cleared
   std::chrono::milliseconds elastic_wait{30000};   ///< gpu_mode's elastic_wait
   std::function<std::uintmax_t()> state_bytes;     ///< about what a checkpoint of the loop takes (where it fits)
+  /// Sharded state (ZeRO): this rank's copies of its own and its neighbour's shares
+  /// (share_copies.hpp); null when the state is replicated.
+  std::function<ShareCopies*()> share_copies;
 };
 
 namespace detail {
@@ -58,15 +62,7 @@ namespace detail {
 /// Where this process's hand-off file of about `bytes` goes (see the file comment): /dev/shm when
 /// it has room for it (a container's is often 64 MiB), else the run directory or TMPDIR.
 inline std::filesystem::path hand_off_path(const RankEnv& env, int generation, std::uintmax_t bytes) {
-  std::error_code error;
-  const std::filesystem::path shm("/dev/shm");
-  const std::filesystem::space_info space = std::filesystem::space(shm, error);
-  const bool in_memory = !error && std::filesystem::is_directory(shm, error) && space.available > bytes + (64u << 20);
-  const std::filesystem::path folder = in_memory             ? shm
-                                       : !env.run_dir.empty() ? std::filesystem::path(env.run_dir)
-                                                              : std::filesystem::temp_directory_path();
-  return folder / ::trainloop::detail::concat("trainloop-elastic-", env.launcher_pid, "-", ::getpid(), "-g", generation,
-                                              ".ckpt");
+  return in_memory_path(env, ::trainloop::detail::concat(::getpid(), "-g", generation, ".ckpt"), bytes);
 }
 
 /// The file `write_root` writes on `root`, copied to every rank of `group` (a collective); returns
@@ -117,8 +113,10 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
                                                                            const ::trainloop::detail::ResumeSpec& start,
                                                                            const ElasticFitParts& parts) {
   const auto began = std::chrono::steady_clock::now();
-  const std::int64_t committed = parts.commits->committed_step();
-  std::optional<Regrouped> regrouped = regroup_job(*parts.env, committed, parts.elastic_wait);
+  ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
+  // Sharded state: the newest step whose copies this rank holds whole; otherwise the newest commit.
+  const std::int64_t held = copies ? copies->newest_step() : parts.commits->committed_step();
+  std::optional<Regrouped> regrouped = regroup_job(*parts.env, held, parts.elastic_wait);
   if (!regrouped) return std::nullopt;
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
   const Membership& m = regrouped->membership;
@@ -127,7 +125,15 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   // Every survivor: the step in flight's gradients go (a rebuilt reducer would keep them); the
   // holder's buffers are the committed ones again before it writes them.
   parts.put_back_committed_state();
-  if (m.committed_step >= 0) {
+  const std::int64_t resumed_step = copies ? m.oldest_step : m.committed_step;
+  if (copies && m.oldest_step >= 0) {
+    // The step every survivor holds, from their copies (the lost ranks' shards from their keepers').
+    const std::filesystem::path directory = write_sharded_hand_off(
+        group, *copies, m, regrouped->old_rank, regrouped->old_world, *parts.env,
+        ::trainloop::distributed::elastic::detail::generation(), parts.state_bytes ? parts.state_bytes() : 0);
+    next = ::trainloop::detail::ResumeSpec{{directory}, true, false, "", /*announce=*/false};
+    next.consume = true;
+  } else if (!copies && m.committed_step >= 0) {
     const int generation = ::trainloop::distributed::elastic::detail::generation();
     // Every survivor committed that step: each holds its weights and optimizer state (replicated,
     // the same on every rank) and the commit's streams and sums, so each writes its own hand-off and
@@ -147,15 +153,20 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
     next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
     next.consume = true;
   }
+  // The step in flight: after the newest commit (sharded state: this rank's; its copies may be older).
+  const std::int64_t in_flight = (copies ? parts.commits->committed_step() : m.committed_step) + 1;
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::ostringstream line;
     for (const LostRank& lost : m.lost) {
-      line << "trainloop: rank " << lost.rank << " (pid " << lost.pid << ") lost at step " << m.committed_step + 1 << ": "
+      line << "trainloop: rank " << lost.rank << " (pid " << lost.pid << ") lost at step " << in_flight << ": "
            << lost.cause << "; continuing with " << group.world_size() << " rank" << (group.world_size() == 1 ? "" : "s")
            << " (regrouped in " << std::fixed << std::setprecision(2) << seconds * 1000.0 << " ms, "
-           << (m.committed_step >= 0 ? ::trainloop::detail::concat("from step ", m.committed_step, " held by rank ", m.holder)
-                                     : std::string("from the fit's start: no step was committed"))
+           << (resumed_step < 0 ? std::string("from the fit's start: no step was committed")
+               : copies        ? ::trainloop::detail::concat("from step ", resumed_step, " held by rank ",
+                                                             (lost.rank + regrouped->old_world - 1) % regrouped->old_world,
+                                                             "'s copy of its shards and the survivors' own")
+                               : ::trainloop::detail::concat("from step ", resumed_step, " held by rank ", m.holder))
            << ")\n";
     }
     std::cerr << line.str() << std::flush;

@@ -13,7 +13,8 @@
 /// - `abandon`: set by the first survivor that sees a collective fail; every wait of the
 ///   generation's group asks for it (comm/abandonable_wait.hpp) and gives up;
 /// - `alive/<rank>`: "<committed step>" of each survivor;
-/// - `decision`: "<committed step> <holder> <all committed it: 0|1> <member>... ; <lost rank>:<pid>:<cause>|...".
+/// - `decision`: "<committed step> <holder> <all committed it: 0|1> <oldest reported step> <member>... ;
+///   <lost rank>:<pid>:<cause>|...".
 /// A rank that did not report is lost when its process is gone (same machine: at once) or, on
 /// another machine, when `wait_for_remote` has passed without a word from it.
 
@@ -51,6 +52,7 @@ struct Membership {
   std::vector<int> members;          ///< old ranks that go on, in order: new rank i is members[i]
   std::vector<LostRank> lost;        ///< old ranks that do not
   bool all_committed = false;        ///< every member committed committed_step (none is a step behind)
+  std::int64_t oldest_step = -1;     ///< the oldest step a survivor reported (sharded state: the step every one holds)
 };
 
 /// The store keys of one generation (see the file comment).
@@ -95,7 +97,7 @@ inline long pid_of_tag(const std::string& tag) {
 
 inline std::string encode(const Membership& m) {
   std::ostringstream out;
-  out << m.committed_step << ' ' << m.holder << ' ' << (m.all_committed ? 1 : 0);
+  out << m.committed_step << ' ' << m.holder << ' ' << (m.all_committed ? 1 : 0) << ' ' << m.oldest_step;
   for (int rank : m.members) out << ' ' << rank;
   out << " ;";
   for (const auto& lost : m.lost) {
@@ -110,10 +112,10 @@ inline Membership decode(const std::string& text) {
   Membership m;
   const auto split = text.find(" ;");
   TRAINLOOP_CHECK(split != std::string::npos, "the elastic decision in the store is '", text,
-                  "'; expected '<step> <holder> <members> ;<lost>'");
+                  "'; expected '<step> <holder> <all> <oldest> <members> ;<lost>'");
   std::istringstream head(text.substr(0, split));
   int all_committed = 0;
-  head >> m.committed_step >> m.holder >> all_committed;
+  head >> m.committed_step >> m.holder >> all_committed >> m.oldest_step;
   m.all_committed = all_committed != 0;
   for (int rank; head >> rank;) m.members.push_back(rank);
   std::string tail = text.substr(split + 2);
@@ -188,6 +190,8 @@ Membership decide_membership(::c10d::Store& store, const GenerationKeys& keys, i
   }
   if (m.holder < 0 && !m.members.empty()) m.holder = m.members.front();
   m.all_committed = std::all_of(reported.begin(), reported.end(), [&](const auto& entry) { return entry.second == m.committed_step; });
+  m.oldest_step = m.committed_step;
+  for (const auto& [rank, step] : reported) m.oldest_step = std::min(m.oldest_step, step);
   for (const auto& [rank, entry] : lost) m.lost.push_back(entry);
   store.set(keys.decision(), detail::store_bytes(detail::encode(m)));
   return m;

@@ -77,14 +77,14 @@ inline int remove_stale_run_directories(const std::filesystem::path& parent = te
   return removed;
 }
 
-/// Removes the hand-off files of elastic training (distributed/elastic/elastic_fit.hpp) that the
-/// ranks of the launcher `launcher_pid` left in /dev/shm: a rank killed between writing its file
-/// and loading it leaves one. They are named after the launcher's pid.
+/// Removes the hand-off files and directories of elastic training (distributed/elastic/elastic_fit.hpp,
+/// share_copies.hpp) that the ranks of the launcher `launcher_pid` left in /dev/shm: a rank killed
+/// between writing its file and loading it leaves one. They are named after the launcher's pid.
 inline void remove_elastic_hand_off_files(long launcher_pid) noexcept {
   std::error_code ignored;
   const std::string prefix = "trainloop-elastic-" + std::to_string(launcher_pid) + "-";
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ignored)) {
-    if (entry.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove(entry.path(), ignored);
+    if (entry.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove_all(entry.path(), ignored);
   }
 }
 

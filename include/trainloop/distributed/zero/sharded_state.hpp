@@ -86,6 +86,7 @@ class ShardedState {
                     "the last sharded fit, and each rank holds only the state of its share of the old ones; expected the "
                     "same parameter groups in every sharded fit of this loop (or a checkpoint written before the change, "
                     "which holds the whole state, resumed by a new loop)");
+    optimizer_ = &optimizer;
     if (world == 1) {
       state_ = State::OneRank;
       return false;
@@ -146,6 +147,23 @@ class ShardedState {
     }
   }
 
+  /// @brief Elastic training, after a lost rank: the layout of the old world size is dropped with
+  /// this rank's pieces' optimizer state (Unlaid), so the survivors' next fit lays the state out
+  /// for the new world size and reads its share from the hand-off (distributed/elastic/share_copies.hpp).
+  void forget_layout() {
+    if (!holds_share()) return;
+    if (optimizer_ != nullptr) {
+      auto& state = optimizer_->state();
+      shard_->for_each_piece([&](const auto&, const torch::Tensor& view) {
+        state.erase(::trainloop::detail::optimizer_state_key(state, view));
+      });
+    }
+    shard_.reset();
+    layout_.reset();
+    own_chunks_.clear();
+    state_ = State::Unlaid;
+  }
+
   /// @brief Loads a whole state (any mode's checkpoint) of which this rank keeps its share.
   void load_whole(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
     drop_unused_layout(optimizer);
@@ -179,6 +197,7 @@ class ShardedState {
   }
 
   State state_ = State::Replicated;
+  torch::optim::Optimizer* optimizer_ = nullptr;  // the last fit's (forget_layout drops its pieces' state)
   bool own_chunks_wanted_ = false;
   UnitsOf units_;
   std::shared_ptr<const FlatLayout> layout_;

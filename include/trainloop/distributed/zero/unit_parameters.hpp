@@ -177,8 +177,9 @@ class UnitParameters final : public UnitUser {
   }
   /// At the end of the fit: each parameter its own tensor again, with its whole values
   /// (`communicate`: gathered, a collective) or, when the fit ended with an exception and the
-  /// other ranks may not be listening, the units this rank holds whole and NaN elsewhere.
-  void release(bool communicate) {
+  /// other ranks may not be listening, the units this rank holds whole and NaN elsewhere (said
+  /// on stderr when `say_lost`; elastic training's survivors load the hand-off next).
+  void release(bool communicate, bool say_lost = true) {
     if (full_.empty()) return;
     torch::NoGradGuard no_grad;
     bool lost = false;
@@ -205,7 +206,7 @@ class UnitParameters final : public UnitUser {
     }
     full_.clear();
     storages_.clear();
-    if (lost) {
+    if (lost && say_lost) {
       std::cerr << "trainloop: a fit with full sharding ended by an exception; of the units this rank did not hold "
                    "whole, only its own chunk is in its model, the rest NaN (load a checkpoint to continue)\n";
     }
