@@ -35,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
+
 namespace tl = trainloop;
 namespace fs = std::filesystem;
 
@@ -44,15 +46,21 @@ double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-/// Appends every step's end to the log (the main process of each world: rank 0).
+/// Appends every step's end to the log (the main process of each world: rank 0), and rank 0's
+/// peak resident set over its whole run (getrusage's ru_maxrss) to `peak` at the fit's end.
 struct StepClock : tl::Callback {
-  explicit StepClock(std::string log) : path(std::move(log)) {}
+  StepClock(std::string log, std::string peak_file) : path(std::move(log)), peak(std::move(peak_file)) {}
   bool main_process_only() const override { return true; }
   void on_step_end(tl::TrainState& state) override {
     std::ofstream(path, std::ios::app) << "step " << state.global_step << ' ' << std::fixed << unix_seconds() << ' '
                                        << state.world_size << '\n';
   }
-  std::string path;
+  void on_fit_end(tl::TrainState&, const tl::History&) override {
+    rusage usage{};
+    ::getrusage(RUSAGE_SELF, &usage);
+    std::ofstream(peak) << static_cast<double>(usage.ru_maxrss) / 1024.0 << '\n';  // KiB on Linux
+  }
+  std::string path, peak;
 };
 
 struct StepLine {
@@ -127,7 +135,7 @@ int main(int argc, char** argv) {
   tl::TrainLoop<DeepLinear, tl::gpu_mode::Any> loop(
       net, train, {}, optimizer, torch::nn::CrossEntropyLoss(), tl::TrainLoopOptions().batch_size(batch_size).progress(false),
       chosen);
-  tl::CallbackList callbacks{std::make_shared<StepClock>(log)};
+  tl::CallbackList callbacks{std::make_shared<StepClock>(log, dir + "/peak_rank0")};
   if (scenario == "restart") {
     callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(
         tl::ModelCheckpointOptions(dir + "/checkpoints").every_n_steps(every).keep_last(1)));
@@ -158,6 +166,9 @@ int main(int argc, char** argv) {
   std::printf("elastic_recovery scenario=%s sharding=%s elastic=%d ranks=%d->%d parameters=%.1fM step_s=%.3f steps_logged=%zu",
               scenario.c_str(), sharding.c_str(), static_cast<int>(mode.elastic()), ranks, lines.empty() ? 0 : lines.back().world,
               static_cast<double>(parameters) / 1e6, median(before), lines.size());
+  double peak = 0.0;
+  std::ifstream(dir + "/peak_rank0") >> peak;
+  std::printf(" rank0_peak_mib=%.0f", peak);
   if (scenario != "steady") {
     std::printf(" killed_in_step=%ld death_to_next_step_s=%.3f death_to_progress_s=%.3f steps_lost=%ld", kill_at,
                 next_step, progress, lost);

@@ -7,6 +7,7 @@
 #   benchmarks/run_elastic_recovery.sh <build-dir> [repetitions] [extra elastic_recovery options]
 #   e.g. benchmarks/run_elastic_recovery.sh build 3                         (100.7 M parameters)
 #        benchmarks/run_elastic_recovery.sh build 3 --layers 2 --width 512  (a small MLP)
+#        benchmarks/run_elastic_recovery.sh build 1 --sharding full         (fsdp: the neighbour copies)
 #
 # Each repetition, in this order: steady with elastic off, steady with elastic on (the step time
 # ratio is the commits' cost), a rank killed with elastic on, the same kill with elastic off and
@@ -44,7 +45,9 @@ off, on = pick('steady', '0'), pick('steady', '1')
 print(f"step time, no rank lost: elastic off {spread([float(r['step_s']) for r in off])} s, "
       f"on {spread([float(r['step_s']) for r in on])} s")
 pairs = [float(b['step_s']) / float(a['step_s']) for a, b in zip(off, on) if float(a['step_s']) > 0]
-print(f"ratio on/off (commit cost), per repetition: {spread(pairs)}")
+print(f"ratio on/off (commit cost; with sharding also the copies'), per repetition: {spread(pairs)}")
+print(f"rank 0's peak resident set, no rank lost: elastic off {spread([float(r['rank0_peak_mib']) for r in off])} MiB, "
+      f"on {spread([float(r['rank0_peak_mib']) for r in on])} MiB")
 for scenario, elastic in (('elastic', '1'), ('restart', '0')):
     rs = pick(scenario, elastic)
     if not rs: continue

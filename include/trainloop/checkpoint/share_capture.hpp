@@ -54,11 +54,7 @@ class ShareCapture {
     for (CapturedBox& box : boxes_) spare.push_back(std::move(box.buffer));
     const std::vector<bool> spare_pinned = std::move(pinned_);
     pinned_.clear();
-    boxes_.clear();
-    for (const TensorShare& share : shares) add_share(share);
-    for (const auto& [key, tensor] : whole) add_whole(key, tensor);
-    for (const auto& [key, tensor] : volatile_whole) add_whole(key, tensor);
-    volatile_whole_boxes_ = volatile_whole.size();
+    cut_boxes(shares, whole, volatile_whole);
     for (size_t i = 0; i < boxes_.size(); ++i) {
       CapturedBox& box = boxes_[i];
       // Page-locked for a copy from a device (asked of no accelerator for a CPU source).
@@ -102,12 +98,8 @@ class ShareCapture {
   /// each box 64-byte aligned.
   void plan_in_one_block(const std::vector<TensorShare>& shares, const std::vector<std::pair<std::string, torch::Tensor>>& whole,
                          const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole) {
-    boxes_.clear();
     pinned_.clear();
-    for (const TensorShare& share : shares) add_share(share);
-    for (const auto& [key, tensor] : whole) add_whole(key, tensor);
-    for (const auto& [key, tensor] : volatile_whole) add_whole(key, tensor);
-    volatile_whole_boxes_ = volatile_whole.size();
+    cut_boxes(shares, whole, volatile_whole);
     std::vector<int64_t> at;
     int64_t total = 0;
     bool pinned = false;
@@ -126,6 +118,16 @@ class ShareCapture {
       pinned_.push_back(pinned);
     }
     for (size_t i = boxes_.size() - volatile_whole_boxes_; i < boxes_.size(); ++i) copy_box(boxes_[i]);
+  }
+
+  /// The boxes of `shares`, then of `whole` and `volatile_whole` (their sources; no buffers yet).
+  void cut_boxes(const std::vector<TensorShare>& shares, const std::vector<std::pair<std::string, torch::Tensor>>& whole,
+                 const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole) {
+    boxes_.clear();
+    for (const TensorShare& share : shares) add_share(share);
+    for (const auto& [key, tensor] : whole) add_whole(key, tensor);
+    for (const auto& [key, tensor] : volatile_whole) add_whole(key, tensor);
+    volatile_whole_boxes_ = volatile_whole.size();
   }
 
   void add_share(const TensorShare& share) {

@@ -20,6 +20,7 @@
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/elastic/regroup.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
+#include <trainloop/distributed/elastic/sharded_hand_off.hpp>
 #include <trainloop/distributed/elastic/step_committer.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/engine/fit_actions.hpp>
