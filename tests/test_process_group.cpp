@@ -6,6 +6,7 @@
 
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
+#include <trainloop/distributed/elastic/box_descriptor.hpp>
 #include <trainloop/distributed/launch/free_port.hpp>
 
 #include <arpa/inet.h>
@@ -13,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <exception>
@@ -130,6 +132,62 @@ BOOST_AUTO_TEST_CASE(reduce_scatter_and_all_gather_into_shard_and_reassemble_ove
         RANK_TEST(std::string(error.what()).find("expected " + std::to_string(world) + " x 3") != std::string::npos);
       }
     });
+  }
+}
+
+BOOST_AUTO_TEST_CASE(pass_to_left_hands_each_rank_the_bytes_of_the_rank_after_it_over_2_and_3_ranks) {
+  // Elastic training's neighbour copies (distributed/elastic/share_copies.hpp): lengths differ per
+  // rank; a buffer of the right length is reused, one of another length replaced.
+  for (int world : {2, 3}) {
+    run_ranks(world, [world](distributed::ProcessGroup& group) {
+      auto bytes_of = [](int rank) {
+        return (torch::arange(1000 + 37 * rank, torch::kInt64) * (rank + 3)).remainder(251).to(torch::kUInt8);
+      };
+      const int right = (group.rank() + 1) % world;
+      torch::Tensor received = group.pass_to_left(bytes_of(group.rank()));
+      RANK_TEST(torch::equal(received, bytes_of(right)));
+      torch::Tensor again = group.pass_to_left(bytes_of(group.rank()), received);
+      RANK_TEST(again.data_ptr() == received.data_ptr());  // reused
+      RANK_TEST(torch::equal(again, bytes_of(right)));
+      torch::Tensor replaced = group.pass_to_left(bytes_of(group.rank()), torch::empty({3}, torch::kUInt8));
+      RANK_TEST(torch::equal(replaced, bytes_of(right)));
+    });
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_copied_blocks_descriptor_round_trips_and_a_malformed_one_is_a_clear_error) {
+  namespace elastic = trainloop::distributed::elastic;
+  trainloop::detail::ShareCapture capture;
+  const torch::Tensor weight = torch::arange(12, torch::kFloat32).view({3, 4});
+  const torch::Tensor step = torch::full({}, 7.0, torch::kFloat64);
+  std::vector<trainloop::TensorShare> shares{{"model.w", {3, 4}, 2, weight.reshape({-1}).narrow(0, 2, 9)},
+                                              {"optim.state.w.step", {}, 0, step}};
+  capture.plan(shares, {}, {{"model.bn.running_mean", torch::ones({5}, torch::kFloat64)}}, /*one_block=*/true);
+  const std::atomic<bool> never{false};
+  BOOST_TEST(capture.copy(never));
+  const torch::Tensor encoded = elastic::detail::encode_boxes(capture.boxes());
+  const std::vector<trainloop::detail::CapturedBox> decoded = elastic::detail::decode_boxes(encoded, capture.block());
+  BOOST_REQUIRE(decoded.size() == capture.boxes().size());
+  for (size_t i = 0; i < decoded.size(); ++i) {
+    BOOST_TEST(decoded[i].key == capture.boxes()[i].key);
+    BOOST_TEST(decoded[i].offsets == capture.boxes()[i].offsets);
+    BOOST_TEST(decoded[i].size == capture.boxes()[i].size);
+    BOOST_TEST(torch::equal(decoded[i].buffer, capture.boxes()[i].buffer));
+  }
+  // Every truncation, a block too short, and garbled numbers: an error naming the copy, never a crash.
+  for (int64_t length = 0; length < encoded.numel(); length += 5) {
+    BOOST_CHECK_THROW(elastic::detail::decode_boxes(encoded.narrow(0, 0, length).clone(), capture.block()),
+                      trainloop::CommunicationError);
+  }
+  BOOST_CHECK_THROW(elastic::detail::decode_boxes(encoded, capture.block().narrow(0, 0, 8).clone()), trainloop::CommunicationError);
+  for (int64_t at = 8; at < encoded.numel(); at += 8) {
+    torch::Tensor garbled = encoded.clone();
+    garbled.narrow(0, at, std::min<int64_t>(8, encoded.numel() - at)).fill_(0xff);
+    try {
+      (void)elastic::detail::decode_boxes(garbled, capture.block());
+    } catch (const trainloop::CommunicationError& error) {
+      BOOST_TEST(std::string(error.what()).find("neighbour's copy of sharded state is malformed") != std::string::npos);
+    }
   }
 }
 
