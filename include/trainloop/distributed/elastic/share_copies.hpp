@@ -114,7 +114,8 @@ class ShareCopies {
   /// The step `step`'s copies, a collective over `group` (every rank at the same step): copies
   /// this rank's `shares` (and, on rank 0, `whole` and `volatile_whole`: what no rank shards) into
   /// its slot, `write_loop_state(file)` on rank 0, then the block to the rank before it and the
-  /// block of the rank after it into the slot. `loop_state_name` names rank 0's file.
+  /// block of the rank after it into the slot (rank 0's loop-state file lives in /dev/shm, named
+  /// after its pid and the slot, removed by reset()).
   void keep(ProcessGroup& group, const RankEnv& env, int64_t step, const std::vector<::trainloop::TensorShare>& shares,
             const std::vector<std::pair<std::string, torch::Tensor>>& whole,
             const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole,
