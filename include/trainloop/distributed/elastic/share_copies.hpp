@@ -101,16 +101,6 @@ class ShareCopies {
     }
     return nullptr;
   }
-  /// Host memory the copies hold (both slots, own and the neighbour's).
-  int64_t bytes() const {
-    int64_t total = 0;
-    for (const Slot& slot : slots_) {
-      total += slot.own.block().defined() ? slot.own.block().numel() : 0;
-      total += slot.neighbour_block.defined() ? slot.neighbour_block.numel() : 0;
-    }
-    return total;
-  }
-
   /// The step `step`'s copies, a collective over `group` (every rank at the same step): copies
   /// this rank's `shares` (and, on rank 0, `whole` and `volatile_whole`: what no rank shards) into
   /// its slot, `write_loop_state(file)` on rank 0, then the block to the rank before it and the
