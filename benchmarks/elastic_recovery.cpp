@@ -127,6 +127,7 @@ int main(int argc, char** argv) {
                   .timeout(std::chrono::seconds(300))
                   .elastic(scenario == "elastic" || (scenario == "steady" && elastic_flag != 0))
                   .max_restarts(scenario == "restart" ? 1 : 0)
+                  .max_replacements(0)  // the survivors go on alone: what this measures
                   .zero(sharding == "optimizer");
   tl::gpu_mode::Any chosen = mode;
   if (sharding == "gradients" || sharding == "full") {

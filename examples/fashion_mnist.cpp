@@ -71,6 +71,10 @@ int main(int argc, char** argv) {
   bool elastic = false;
   app.add_flag("--elastic", elastic, "ddp: when a rank other than 0 dies (killed, crashed), the others regroup and "
                "go on from the newest step one of them committed, without a restart (docs/elastic.md)");
+  int max_replacements = 1;
+  app.add_option("--max-replacements", max_replacements, "with --elastic: how many times a lost rank's place gets a "
+                 "replacement process, which joins the running job at a step boundary (0: the others go on alone)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--zero", zero, "ddp: ZeRO-1, each rank keeps the optimizer state of about 1/procs of the parameters "
                "(the same as --sharding optimizer)");
   app.add_option("--sharding", sharding, "ddp, fsdp: what each rank keeps only 1/procs of: none, optimizer (ZeRO-1, "
@@ -121,7 +125,8 @@ int main(int argc, char** argv) {
     trainloop::gpu_mode::Any mode =
         trainloop::mode_from_flags(trainloop::ModeFlags{.gpu_mode = gpu_mode, .device = device, .procs = procs,
                                                         .replicas = replicas, .comm_hook = comm_hook, .zero = zero,
-                                                        .sharding = sharding, .elastic = elastic, .extra = {}});
+                                                        .sharding = sharding, .elastic = elastic,
+                                                        .max_replacements = max_replacements, .extra = {}});
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;

@@ -13,8 +13,8 @@
 // and restarts, set by TL_TEST_EPOCHS, TL_TEST_CKPT_DIR, TL_TEST_EVERY_STEPS, TL_TEST_RESUME,
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 or
 // TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>), TL_TEST_CLIP_PERCENT=N and
-// TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook; TL_TEST_ELASTIC=1 and
-// TL_TEST_TRAIN_SAMPLES=N for elastic training).
+// TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook; TL_TEST_ELASTIC=1,
+// TL_TEST_REPLACEMENTS=N and TL_TEST_TRAIN_SAMPLES=N for elastic training).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -257,6 +257,9 @@ int main(int argc, char** argv) {
       mode.zero(env_number("TL_TEST_ZERO", 0) != 0);
       // TL_TEST_ELASTIC=1: a lost rank's survivors go on (test_elastic; TRAINLOOP_TEST_KILL_AT kills one).
       mode.elastic(env_number("TL_TEST_ELASTIC", 0) != 0);
+      // TL_TEST_REPLACEMENTS=n: the launcher starts replacements of a lost rank (0 here unless asked:
+      // the other cases compare with a world that only shrank).
+      mode.max_replacements(static_cast<int>(env_number("TL_TEST_REPLACEMENTS", 0)));
       // TL_TEST_TRAIN_SAMPLES: the same data whatever the world size (a run resumed on fewer ranks).
       if (const int64_t samples = env_number("TL_TEST_TRAIN_SAMPLES", 0)) train_size = samples;
       if (const char* level = std::getenv("TL_TEST_SHARDING")) {  // optimizer: ddp's zero; gradients, full: fsdp

@@ -89,6 +89,54 @@ void lost_rank_equals_deliberate_change(const std::string& name, int world, cons
   fs::remove_all(dir);
 }
 
+/// Runs ddp_worker with 3 ranks, elastic, rank 2 killed in its forward of step 3, and its
+/// replacement admitted at the commit of step 5 (TRAINLOOP_TEST_AWAIT_REPLACEMENT holds rank 0
+/// there until it asks): the job goes on with 2 ranks from step 2, and with 3 again from step 5.
+/// The deliberate reference changes its world size at the same steps on purpose: 3 ranks writing
+/// a checkpoint every step, step 2's resumed on 2 ranks writing one every step, step 5's resumed on
+/// 3. Both must end alike, bit for bit. `mode` (a sharding level) applies to every run.
+void replacement_equals_deliberate_changes(const std::string& name, const std::string& mode) {
+  const fs::path dir = fresh_dir("elastic_join_" + name);
+  WorkerRun elastic = run_worker("ckpt", 3, 0,
+                                 common_settings() + mode + "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=1 TL_TEST_CKPT_DIR=" +
+                                     (dir / "elastic").string() +
+                                     " TRAINLOOP_TEST_KILL_AT=2:3:forward TRAINLOOP_TEST_AWAIT_REPLACEMENT=5",
+                                 "_join_" + name);
+  BOOST_TEST_MESSAGE(name << ": " << elastic.output);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output);
+  BOOST_TEST(resumed_from_step(elastic.output) == 2);
+  BOOST_TEST(elastic.output.find("started a replacement for rank 2") != std::string::npos, elastic.output);
+  BOOST_TEST(elastic.output.find("joined at step 6 as rank 2; continuing with 3 ranks") != std::string::npos, elastic.output);
+  BOOST_TEST(leftover_workers() == 0);
+
+  auto run = [&](const std::string& part, int world, const std::string& settings) {
+    WorkerRun result = run_worker("ckpt", world, 0, common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / part).string() + settings,
+                                  "_join_" + part + "_" + name);
+    BOOST_REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+    return result;
+  };
+  WorkerRun before = run("before", 3, " TL_TEST_EVERY_STEPS=1");
+  const fs::path step2 = checkpoint_after(dir / "before", 2, 5);
+  WorkerRun middle = run("middle", 2, " TL_TEST_EVERY_STEPS=1 TL_TEST_RESUME=" + step2.string());
+  const fs::path step5 = checkpoint_after(dir / "middle", 5, 8);
+  BOOST_REQUIRE_MESSAGE(fs::exists(step5), step5.string());
+  WorkerRun after = run("after", 3, " TL_TEST_RESUME=" + step5.string());
+
+  const torch::Tensor joined = load_params((elastic.dir / "params.pt").string());
+  const torch::Tensor changed = load_params((after.dir / "params.pt").string());
+  BOOST_TEST_MESSAGE(name << ": max |elastic - deliberate| = " << (joined - changed).abs().max().item<double>());
+  BOOST_TEST(torch::equal(joined, changed), name << ": the parameters differ from the deliberate world-size changes");
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
+    const std::string key = "epoch" + std::to_string(epoch);
+    BOOST_TEST(elastic.result[key + "_samples"] == kSamples, name << " " << key);
+    BOOST_TEST(elastic.result[key + "_loss"] == after.result[key + "_loss"], name << " " << key);
+    BOOST_TEST(elastic.result[key + "_accuracy"] == after.result[key + "_accuracy"], name << " " << key);
+  }
+  BOOST_TEST(elastic.result["val_loss"] == after.result["val_loss"]);
+  for (auto* worker : {&elastic, &before, &middle, &after}) fs::remove_all(worker->dir);
+  fs::remove_all(dir);
+}
+
 /// Hand-off files left in /dev/shm by this test's jobs (none may stay).
 int hand_off_files_left() {
   int count = 0;
@@ -144,6 +192,16 @@ BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_inside_the_exchange_o
   // Rank 2 dies between the two passes of step 5's copies: its keeper never gets them whole, so
   // the survivors go on from step 4's or step 3's copies, whichever every one of them holds.
   lost_rank_equals_deliberate_change("full_share_copy", 3, "2:5:share-copy", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(a_replacement_joins_and_the_job_ends_as_deliberate_world_size_changes_would) {
+  replacement_equals_deliberate_changes("replicated", "");
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(a_replacement_joins_a_job_at_sharding_full_from_the_members_copies) {
+  replacement_equals_deliberate_changes("full", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
 }
 

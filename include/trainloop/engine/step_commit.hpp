@@ -4,8 +4,10 @@
 /// that commits each step hands the loop nothing new to do but this — before each optimizer step
 /// it is given this rank's epoch sums, which its commit gathers from every rank with the random
 /// streams; and a checkpoint written by one process alone after a lost rank (the survivors'
-/// hand-off) takes every rank's streams and sums from the last commit. Both are optional members
-/// with a replicated default: engines that do not commit steps are untouched.
+/// hand-off) takes every rank's streams and sums from the last commit. At a step boundary inside
+/// an epoch after a commit that agreed to admit replacements of lost ranks, the loop lets the
+/// engine leave the fit for them. All are optional members with a replicated default: engines that
+/// do not commit steps are untouched.
 
 #include <torch/torch.h>
 
@@ -46,6 +48,29 @@ std::optional<CommittedRows> committed_rows(const Engine& engine) {
     return engine.committed_rows();
   } else {
     return std::nullopt;
+  }
+}
+
+/// Replacements of lost ranks the engine's ranks agreed at the last commit to admit (0: none, or
+/// an engine that admits none).
+template <class Engine>
+int64_t replacements_agreed(const Engine& engine) {
+  if constexpr (requires { { engine.replacements_agreed() } -> std::convertible_to<int64_t>; }) {
+    return engine.replacements_agreed();
+  } else {
+    return 0;
+  }
+}
+
+/// At a step boundary inside an epoch, once checkpoints in flight are done: when the ranks agreed
+/// to admit replacements, the engine leaves the fit to its elastic fit, which grows the group and
+/// resumes from the step committed last (distributed/elastic/elastic_fit.hpp).
+template <class Engine, class FinishCheckpoints>
+void admit_agreed_replacements(Engine& engine, FinishCheckpoints&& finish_checkpoints) {
+  if constexpr (requires { engine.admit_replacements(); }) {
+    if (replacements_agreed(engine) == 0) return;
+    finish_checkpoints();
+    engine.admit_replacements();
   }
 }
 

@@ -40,6 +40,7 @@ struct ModeFlags {
   bool zero = false;                ///< ddp: ZeRO-1, the optimizer state sharded over the ranks
   std::string sharding = "none";    ///< none, optimizer (ddp with ZeRO-1), gradients or full (fsdp); fsdp's "none" is full
   bool elastic = false;             ///< ddp, fsdp: survive a lost rank in place (gpu_mode::MultiProcess::elastic)
+  int max_replacements = 1;         ///< elastic: replacements started per lost rank's place (MultiProcess::max_replacements)
   std::map<std::string, std::string> extra = {};  ///< a user's mode's own flags, by name (read by its apply_mode_flags)
 };
 
@@ -64,7 +65,8 @@ inline void apply_mode_flags(DataParallel& mode, const ModeFlags& flags) {
 /// @brief The processes of a multi-process mode: `procs` on the flags' device type.
 template <class Mode>
 void apply_process_flags(MultiProcess<Mode>& mode, const ModeFlags& flags) {
-  mode.device_type(device_of_flags(flags).type()).procs_per_node(flags.procs).elastic(flags.elastic);
+  mode.device_type(device_of_flags(flags).type()).procs_per_node(flags.procs).elastic(flags.elastic)
+      .max_replacements(flags.max_replacements);
 }
 /// @brief gpu_mode::DistributedDataParallel: processes, comm hook, ZeRO-1.
 inline void apply_mode_flags(DistributedDataParallel& mode, const ModeFlags& flags) {

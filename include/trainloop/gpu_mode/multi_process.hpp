@@ -82,6 +82,11 @@ class MultiProcess {
   /// Elastic: how long a rank on another machine (whose process cannot be seen from here) has to
   /// report after a loss before it counts as lost too.
   TRAINLOOP_MODE_ARG(std::chrono::milliseconds, elastic_wait) = std::chrono::seconds(30);
+  /// Elastic, trainloop's launcher: how many times the launcher starts a replacement for each
+  /// rank's place when its process is lost; a replacement joins the running fit at a step
+  /// boundary and brings the job back to its size (distributed/elastic/replacement_join.hpp).
+  /// 0: the survivors go on alone.
+  TRAINLOOP_MODE_ARG(int, max_replacements) = 1;
 
  public:
   /// @brief The device type ranks train on, after applying the default.
@@ -98,7 +103,7 @@ class MultiProcess {
   distributed::LaunchOptions launch_options() const {
     distributed::LaunchOptions options(resolved_procs_per_node());
     options.nnodes(nnodes_).node_rank(node_rank_).master_addr(master_addr_).master_port(master_port_)
-        .grace_period(kill_grace_period_).elastic(elastic_);
+        .grace_period(kill_grace_period_).elastic(elastic_).max_replacements(elastic_ ? max_replacements_ : 0);
     return options;
   }
   /// @brief Throws trainloop::Error naming the first shared setting out of range.
@@ -126,6 +131,7 @@ class MultiProcess {
                     resolved_device_type() == torch::kCUDA ? "CUDA" : "the CPU",
                     "; expected backend gloo: a lost rank's NCCL communicator is not aborted and re-created in this "
                     "release");
+    TRAINLOOP_CHECK(max_replacements_ >= 0, "max_replacements is ", max_replacements_, "; expected 0 or more");
     TRAINLOOP_CHECK(elastic_wait_.count() > 0, "elastic_wait is ", elastic_wait_.count(), " ms; expected a positive time");
     TRAINLOOP_CHECK(resolved_procs_per_node() >= 1, "no CUDA device is visible, so no rank can be started; "
                                                     "expected device_type(torch::kCPU) or a visible GPU");
@@ -149,6 +155,7 @@ class MultiProcess {
     max_restarts_ = other.max_restarts();
     elastic_ = other.elastic();
     elastic_wait_ = other.elastic_wait();
+    max_replacements_ = other.max_replacements();
     return static_cast<Mode&>(*this);
   }
 };

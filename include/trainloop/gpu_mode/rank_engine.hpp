@@ -25,9 +25,11 @@
 #include <trainloop/distributed/comm/model_sync.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/elastic/admission.hpp>
 #include <trainloop/distributed/elastic/elastic_fit.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/distributed/spawn/spawn_relay.hpp>
 #include <trainloop/distributed/watch/watchdog_start.hpp>
 #include <trainloop/distributed/zero/sharded_state.hpp>
@@ -37,6 +39,7 @@
 #include <trainloop/gpu_mode/single.hpp>
 #include <trainloop/history.hpp>
 #include <trainloop/model_contract.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 #include <trainloop/detail/torch_compat.hpp>
 
 #include <torch/torch.h>
@@ -105,6 +108,9 @@ class RankEngine {
     if (!env_ || group_) return;
     cpu::apply_intra_op_threads(cpu::intra_op_threads_for(env_->local_world_size));
     module_->to(device_);
+    // A replacement joins the running fit's group when the others admit it (its fit: run_fit); what
+    // it evaluates before is a replay nobody sees, as in any rank we spawned.
+    if (distributed::awaiting_admission()) return;
     distributed::ProcessGroupOptions options;
     options.backend = mode_.backend();
     options.device = device_;
@@ -126,10 +132,20 @@ class RankEngine {
   }
 
   // ---- elastic training: step commits (engine/step_commit.hpp) -----------------------------
-  bool commits_steps() const { return mode_.elastic() && group_ != nullptr && group_->world_size() > 1; }
+  /// Every step commits under elastic training with two ranks or more, and on one rank that may
+  /// admit replacements (the commit is where the ranks agree to, and what they resume from).
+  bool commits_steps() const {
+    return mode_.elastic() && group_ != nullptr && (group_->world_size() > 1 || admits_replacements());
+  }
   /// Elastic training of sharded state: each step's shares copied, and sent to a neighbour
   /// (distributed/elastic/share_copies.hpp).
-  bool keeps_share_copies() const { return commits_steps() && sharded_.holds_share(); }
+  bool keeps_share_copies() const { return commits_steps() && group_->world_size() > 1 && sharded_.holds_share(); }
+  /// Elastic training under trainloop's launcher: replacements of lost ranks may ask to join.
+  bool admits_replacements() const { return mode_.elastic() && spawned() && mode_.max_replacements() > 0; }
+  /// How many replacements the ranks agreed at the last commit to admit (0: none wait).
+  int64_t replacements_agreed() const { return commits_steps() ? commits_.joins_waiting() : 0; }
+  /// At the step boundary after that commit: the elastic fit admits them (distributed/elastic/elastic_fit.hpp).
+  [[noreturn]] void admit_replacements() const { throw distributed::elastic::ReplacementsJoin(commits_.joins_waiting()); }
   /// The copies of the state the last step left (global step `step`): this rank's `shares`, on
   /// rank 0 `whole` and `volatile_whole` and the loop's state (`write_loop_state`). A collective.
   void keep_share_copies(int64_t step, const std::vector<TensorShare>& shares,
@@ -223,8 +239,12 @@ class RankEngine {
           sharded_.forget_layout();  // sharded state: laid out anew for the survivors, read from the hand-off
         };
         parts.share_copies = [this]() -> distributed::elastic::ShareCopies* {
-          return sharded_.holds_share() ? &share_copies_ : nullptr;
+          return keeps_share_copies() ? &share_copies_ : nullptr;
         };
+        parts.join_watch = &join_watch_;
+        parts.group_options.backend = mode_.backend();
+        parts.group_options.device = device_;
+        parts.group_options.timeout = mode_.timeout();
         return distributed::elastic::train_elastic(actions, from, parts);
       };
     }
@@ -253,9 +273,14 @@ class RankEngine {
                     "memory), or elastic training without sharding (docs/elastic.md)");
   }
   /// Elastic training: the step's commit, once its gradients are reduced and before the optimizer
-  /// steps (a collective; nothing without elastic training or with one rank).
+  /// steps (a collective; nothing without elastic training, or on one rank that admits no replacements).
   void commit_step() {
-    if (commits_steps()) commits_.commit(*group_, buffers_, mode_.broadcast_buffers());
+    if (!commits_steps()) return;
+    // Rank 0 says how many replacements wait (a store lookup at most every 100 ms): every rank learns it here.
+    const int64_t waiting = rank() == 0 && admits_replacements()
+                                ? join_watch_.waiting(*group_->job_store(), progress::progress_beacon().global_step() + 1)
+                                : 0;
+    commits_.commit(*group_, buffers_, mode_.broadcast_buffers(), waiting);
   }
   /// What join_fit() listed, let go at the fit's end; the copies of sharded state too, unless the
   /// fit ends with an exception (a lost rank's survivors hand the state on from them).
@@ -283,6 +308,7 @@ class RankEngine {
 
   distributed::elastic::StepCommitter commits_;  // elastic training: this fit's step commits
   distributed::elastic::ShareCopies share_copies_;  // elastic training of sharded state: the last two steps' copies
+  distributed::elastic::JoinWatch join_watch_;      // elastic training, rank 0: the replacements waiting to join
   bool synced_since_join_ = false;      // prepare() broadcast rank 0's state and no fit has used that yet
   std::vector<torch::Tensor> buffers_;  // listed once per fit, broadcast after every step
 };

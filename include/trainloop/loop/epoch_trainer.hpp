@@ -199,8 +199,8 @@ class EpochTrainer {
                     (micro_batch ? " has" : " has no"), " batch ", pass.batches_done + k + 1, " of ", pass.batches,
                     "; expected the same micro-batch count on every rank (a dataset whose size changed?)");
     const int64_t index = state.batch;
-    // Elastic training of sharded state: the state the last step left, copied before this step changes it.
-    if (index == pass.window_start && run.keep_share_copies) run.keep_share_copies();
+    // Elastic training: sharded state copied before this step changes it; replacements joining.
+    if (index == pass.window_start && run.at_window_start) run.at_window_start(index == 0);
     const int64_t window = std::min(options_.grad_accumulation_steps(), pass.batches - pass.window_start);
     const bool last_in_window = index + 1 == pass.window_start + window;
     pass.last_loss.start();

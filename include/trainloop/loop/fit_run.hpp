@@ -44,8 +44,10 @@ struct FitRun {
   std::function<void()> await_checkpoint_capture;
   /// At each step boundary: reports a checkpoint written behind training once the ranks agree it ended.
   std::function<void()> poll_checkpoints;
-  /// At the start of each optimizer step: elastic training's copies of sharded state (a collective).
-  std::function<void()> keep_share_copies;
+  /// At the start of each accumulation window (`epoch_start`: the epoch's first): elastic training's
+  /// copies of sharded state (a collective), then, inside an epoch, replacements the ranks agreed to
+  /// admit (engine/step_commit.hpp).
+  std::function<void(bool epoch_start)> at_window_start;
 };
 
 /// Calls `hook_call(callback)` for every active callback in order, each in the phase "callback"

@@ -19,6 +19,7 @@
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optional_members.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/engine/step_commit.hpp>
 #include <trainloop/loop/checkpoint_io.hpp>
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/epoch_trainer.hpp>
@@ -230,7 +231,11 @@ class FitRunner {
     state.wait_for_checkpoints = [this, &engine] { checkpoints_.make_room_for_checkpoint(engine); };
     run.await_checkpoint_capture = [this] { checkpoints_.await_checkpoint_capture(); };
     run.poll_checkpoints = [this, &engine] { checkpoints_.poll_checkpoints(engine); };
-    run.keep_share_copies = [this, &engine, keyed] { checkpoints_.keep_share_copies(engine, keyed); };
+    run.at_window_start = [this, &engine, keyed](bool epoch_start) {
+      checkpoints_.keep_share_copies(engine, keyed);
+      // Inside an epoch only: an epoch's validation and on_epoch_end run once, before it.
+      if (!epoch_start) admit_agreed_replacements(engine, [&] { checkpoints_.finish_checkpoints(engine); });
+    };
     describe_weights(engine, state);
   }
 

@@ -10,6 +10,7 @@
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/job/main_process.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 
@@ -45,6 +46,10 @@ inline ProcessGroup& session_process_group(ProcessGroupOptions options = {}) {
                                    "variables (e.g. RANK and WORLD_SIZE) is set");
   auto& session = detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
+  // A replacement's group is made when the survivors admit it (distributed/elastic/admission.hpp).
+  TRAINLOOP_CHECK(session.group.valid() || !awaiting_admission(),
+                  "this process replaces a lost rank and has not joined the job yet; expected its process group "
+                  "to be asked for once fit() admitted it (barrier() and rank0_first() do not wait until then)");
   options.rank = env->rank;
   options.world_size = env->world_size;
   options.master_addr = env->master_addr;
@@ -70,6 +75,8 @@ inline ProcessGroup& session_process_group(ProcessGroupOptions options = {}) {
 
 /// @brief Waits for every rank of the job; does nothing outside a distributed job.
 inline void barrier() {
+  // A replacement not yet admitted joins at a step boundary of the running fit: nobody waits for it here.
+  if (distributed::awaiting_admission()) return;
   if (distributed::detail::cached_rank_env()) distributed::session_process_group().barrier();
 }
 
@@ -80,7 +87,7 @@ inline void barrier() {
 template <class F>
 decltype(auto) rank0_first(F&& f) {
   const auto& env = distributed::detail::cached_rank_env();
-  if (!env) return std::forward<F>(f)();
+  if (!env || distributed::awaiting_admission()) return std::forward<F>(f)();  // a replacement: rank 0 did it long ago
   if (env->rank == 0) {
     // Rank 0 works alone while the others wait in the barrier: not a stall.
     progress::PhaseScope phase(progress::Phase::RankZeroFirst);

@@ -18,11 +18,14 @@
 #include <trainloop/detail/format.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/elastic/admission.hpp>
 #include <trainloop/distributed/elastic/regroup.hpp>
+#include <trainloop/distributed/elastic/replacement_join.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/elastic/sharded_hand_off.hpp>
 #include <trainloop/distributed/elastic/step_committer.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/engine/fit_actions.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/history.hpp>
@@ -56,6 +59,10 @@ struct ElasticFitParts {
   /// Sharded state (ZeRO): this rank's copies of its own and its neighbour's shares
   /// (share_copies.hpp); null when the state is replicated.
   std::function<ShareCopies*()> share_copies;
+  /// Replacements (admission.hpp): rank 0's queue (null elsewhere), and in a replacement the
+  /// options of the group it joins (backend, device, timeout).
+  JoinWatch* join_watch = nullptr;
+  ProcessGroupOptions group_options;
 };
 
 namespace detail {
@@ -175,15 +182,89 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   return next;
 }
 
-/// The loop's fit, again from the committed state with the survivors after each lost rank (see
-/// the file comment). Errors that are not a lost rank's consequence end the fit as they would
-/// without elastic training.
+/// The hand-off of a replacement's admission: the step the members committed last, as a
+/// per-rank checkpoint in this machine's memory from the copies of sharded state (written by the
+/// members before the group grows: its directory goes to the replacement with its admission), or
+/// the loop's state sent from rank 0 over the grown group. `sharded_hand_off`: written here first
+/// (members); `group`: the grown group.
+inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::detail::FitActions& actions, ProcessGroup& group,
+                                                          const std::string& sharded_hand_off, const ElasticFitParts& parts) {
+  std::filesystem::path file = sharded_hand_off;
+  if (file.empty()) {
+    const int generation = ::trainloop::distributed::elastic::detail::generation();
+    file = detail::share_file(
+        group, 0, parts.state_bytes ? parts.state_bytes() : 0,
+        [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); },
+        [&](const std::filesystem::path& path) { actions.save_committed(path); });
+  }
+  ::trainloop::detail::ResumeSpec next{{file}, true, false, "", /*announce=*/false};
+  next.consume = true;
+  return next;
+}
+
+/// On every member at the step boundary its ranks agreed on (ReplacementsJoin): the group grows by
+/// the replacements rank 0 admits, and every rank resumes from the step committed last with the
+/// new world size — as a run that changed its world size at that step on purpose.
+inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::detail::FitActions& actions,
+                                                          const ReplacementsJoin& join, const ElasticFitParts& parts) {
+  const auto began = std::chrono::steady_clock::now();
+  ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
+  const std::int64_t step = copies ? copies->newest_step() : parts.commits->committed_step();
+  parts.put_back_committed_state();
+  std::string sharded;
+  if (copies) {  // every member holds its own copies of that step: nobody was lost
+    ProcessGroup& old = ::trainloop::distributed::detail::session_group().group;
+    Membership all;
+    for (int rank = 0; rank < old.world_size(); ++rank) all.members.push_back(rank);
+    all.committed_step = all.oldest_step = step;
+    all.all_committed = true;
+    sharded = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
+                                     ::trainloop::distributed::elastic::detail::generation(),
+                                     parts.state_bytes ? parts.state_bytes() : 0).string();
+  }
+  const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), sharded, parts.elastic_wait + std::chrono::seconds(30));
+  ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
+  ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, sharded, parts);
+  if (group.rank() == 0) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    std::ostringstream line;
+    for (std::size_t i = 0; i < grown.joined.size(); ++i) {
+      line << "trainloop: a replacement for rank " << grown.joined[i].launcher_rank << " (pid " << grown.joined[i].pid()
+           << ") joined at step " << step + 1 << " as rank " << grown.old_world + static_cast<int>(i) << "; continuing with "
+           << group.world_size() << " ranks (admitted in " << std::fixed << std::setprecision(2) << seconds * 1000.0
+           << " ms, from step " << step << " held by the " << grown.old_world << " rank" << (grown.old_world == 1 ? "" : "s")
+           << " before it)\n";
+    }
+    if (grown.joined.empty()) line << "trainloop: the replacements that asked to join at step " << step + 1 << " ended first; continuing with " << group.world_size() << " ranks\n";
+    std::cerr << line.str() << std::flush;
+  }
+  return next;
+}
+
+/// In a replacement, before its fit trains: joins the running fit when the members admit it and
+/// returns what it resumes from (the step they resume from, handed over); throws
+/// FitEndedBeforeAdmission when the fit ended first.
+inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detail::FitActions& actions,
+                                                        const ElasticFitParts& parts) {
+  std::optional<Admission> admission = join_as_replacement(*parts.env, parts.group_options);
+  if (!admission) throw FitEndedBeforeAdmission();
+  return admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off, parts);
+}
+
+/// The loop's fit, again from the committed state with the survivors after each lost rank, and
+/// with the replacements admitted at a step boundary (see the file comment). Errors that are not
+/// a lost rank's consequence end the fit as they would without elastic training.
 inline History train_elastic(const ::trainloop::detail::FitActions& actions, const ::trainloop::detail::ResumeSpec& start,
                              const ElasticFitParts& parts) {
-  ::trainloop::detail::ResumeSpec from = start;
+  ::trainloop::detail::ResumeSpec from = awaiting_admission() ? join_running_fit(actions, parts) : start;
   for (;;) {
     try {
-      return actions.train(from);
+      History history = actions.train(from);
+      const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
+      if (group.valid() && group.rank() == 0) close_admissions(*group.job_store());  // replacements still waiting end
+      return history;
+    } catch (const ReplacementsJoin& join) {
+      from = admit_replacements(actions, join, parts);
     } catch (const std::exception& error) {
       const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
       if (!detail::may_be_a_lost_rank(error) || !group.valid() || group.world_size() == 1) throw;

@@ -64,6 +64,30 @@ inline void install_probe_for(const ProcessGroup& group, int generation_number) 
   });
 }
 
+/// The store prefix of generation `generation`'s group.
+inline std::string generation_group_prefix(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/group"; }
+
+/// The job's group (`session`'s) becomes the next generation's, `world` ranks of which this process
+/// is `rank`, made over `old`'s store; `old` is parked (see the file comment). The caller holds
+/// the session's mutex. (A replacement joins the same group with ProcessGroup::create:
+/// replacement_join.hpp.)
+inline void next_generation_group(::trainloop::distributed::detail::SessionGroup& session, const ProcessGroup& old, int rank,
+                                  int world, const RankEnv& env) {
+  ++generation();
+  ProcessGroupOptions options = session.options;
+  options.rank = rank;
+  options.world_size = world;
+  options.store_prefix = generation_group_prefix(generation());
+  options.is_store_server = false;  // the store lives on in old rank 0's parked group
+  parked_groups().push_back(old);
+  session.group = old.regroup(options);
+  session.group.log_collectives();
+  session.options = options;
+  publish_identity(*old.job_store(), GenerationKeys(generation()), rank);
+  install_probe_for(session.group, generation());
+  restart_stall_watchdog(options, env);
+}
+
 }  // namespace detail
 
 /// Makes the job's group elastic (once per process): its waits can be abandoned, and this
@@ -123,19 +147,7 @@ inline std::optional<Regrouped> regroup_job(const RankEnv& env, std::int64_t com
   }
   TRAINLOOP_CHECK(std::find(m.members.begin(), m.members.end(), 0) != m.members.end(),
                   "the elastic decision leaves out rank 0; expected rank 0, which holds the store, among the members");
-  ++detail::generation();
-  ProcessGroupOptions options = session.options;
-  options.rank = static_cast<int>(self - m.members.begin());
-  options.world_size = static_cast<int>(m.members.size());
-  options.store_prefix = "trainloop-elastic/g" + std::to_string(detail::generation()) + "/group";
-  options.is_store_server = false;  // the store lives on in old rank 0's parked group
-  detail::parked_groups().push_back(old);
-  session.group = old.regroup(options);
-  session.group.log_collectives();
-  session.options = options;
-  publish_identity(store, GenerationKeys(detail::generation()), options.rank);
-  detail::install_probe_for(session.group, detail::generation());
-  restart_stall_watchdog(options, env);
+  detail::next_generation_group(session, old, static_cast<int>(self - m.members.begin()), static_cast<int>(m.members.size()), env);
   result.holder_rank = static_cast<int>(std::find(m.members.begin(), m.members.end(), m.holder) - m.members.begin());
   return result;
 }

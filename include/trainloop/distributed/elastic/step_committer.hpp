@@ -39,15 +39,16 @@ class StepCommitter {
   void stage(const torch::Tensor& totals) { staged_totals_ = totals; }
 
   /// The step's commit, a collective: rank 0's `buffers` to every rank (when `broadcast_buffers`),
-  /// then every rank's sums and random stream to every rank.
-  void commit(ProcessGroup& group, const std::vector<torch::Tensor>& buffers, bool broadcast_buffers) {
+  /// then every rank's sums and random stream to every rank, with rank 0's `joins_waiting`.
+  void commit(ProcessGroup& group, const std::vector<torch::Tensor>& buffers, bool broadcast_buffers,
+              std::int64_t joins_waiting = 0) {
     torch::NoGradGuard no_grad;
     if (!buffers.empty() && broadcast_buffers) group.broadcast(buffers, 0);
     const torch::Tensor totals = staged_totals_.defined()
                                      ? staged_totals_.detach().to(torch::kCPU, torch::kFloat64).reshape({-1})
                                      : torch::zeros({0}, torch::kFloat64);
     record_ = CommitRecord::gather(group, progress::progress_beacon().global_step() + 1, totals,
-                                   ::trainloop::detail::capture_rng_state());
+                                   ::trainloop::detail::capture_rng_state(), joins_waiting);
     staged_totals_ = torch::Tensor();
     committed_buffers_.resize(buffers.size());
     for (std::size_t i = 0; i < buffers.size(); ++i) {
@@ -58,6 +59,9 @@ class StepCommitter {
     }
     progress::test_kill_point(progress::KillPoint::Optimizer);
   }
+
+  /// How many replacements the ranks agreed at the last commit are waiting to join (admission.hpp).
+  std::int64_t joins_waiting() const { return record_.joins_waiting(); }
 
   /// The newest committed step of this fit, -1 when none.
   std::int64_t committed_step() const { return record_.committed() ? record_.step() : -1; }

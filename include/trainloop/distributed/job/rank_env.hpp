@@ -67,6 +67,9 @@ inline constexpr const char* launcher_pid = "TRAINLOOP_LAUNCHER_PID";          /
 inline constexpr const char* fit_index = "TRAINLOOP_FIT_INDEX";      ///< the DDP fit() call a spawned rank trains
 inline constexpr const char* session_dir = "TRAINLOOP_SESSION_DIR";  ///< the launching process's session directory
 inline constexpr const char* restart_count = "TRAINLOOP_RESTART_COUNT";  ///< relaunches so far (0 on the first)
+/// Elastic training: set in a process the launcher started in place of a lost rank (its number
+/// among that rank's replacements, from 1); it joins the running job when the survivors admit it.
+inline constexpr const char* replacement = "TRAINLOOP_REPLACEMENT";
 }  // namespace env_names
 
 /// Where this process sits in a distributed job, and how to reach rank 0's store.

@@ -55,6 +55,10 @@ struct LaunchOptions {
   /// Elastic training (distributed/elastic/): a rank other than 0 that ends does not stop the
   /// others, which regroup and go on; the launch succeeds when every other rank completes.
   TORCH_ARG(bool, elastic) = false;
+  /// Elastic training: how many replacements the launcher starts for each rank's place (rank 0's
+  /// excepted: it holds the store) when its process ends before its work is done; each joins the
+  /// running job (distributed/elastic/replacement_join.hpp) with TRAINLOOP_REPLACEMENT set.
+  TORCH_ARG(int, max_replacements) = 0;
   /// Program to run; the default re-executes this very binary.
   TORCH_ARG(std::string, executable) = "/proc/self/exe";
   /// Arguments including argv[0]; empty means this process's own, from /proc/self/cmdline.

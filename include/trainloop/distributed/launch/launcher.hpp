@@ -94,7 +94,8 @@ class Launcher {
   const LaunchOptions& options() const { return options_; }
 
  private:
-  std::vector<std::string> child_environment(int local_rank) const;
+  std::vector<std::string> child_environment(const RankProcess& process) const;
+  void start_replacements(const std::vector<int>& lost_ranks, const std::vector<std::string>& argv);
   void spawn(RankProcess& process, const std::vector<std::string>& argv);
   bool reap(RankProcess& process, bool block);
   void stop_all();
@@ -157,7 +158,8 @@ inline void Launcher::remove_run_dir() noexcept {
   if (options_.elastic()) remove_elastic_hand_off_files(::getpid());
 }
 
-inline std::vector<std::string> Launcher::child_environment(int local_rank) const {
+inline std::vector<std::string> Launcher::child_environment(const RankProcess& process) const {
+  const int local_rank = process.local_rank;
   const auto& o = options_;
   EnvVars overrides;
   if (auto threads = cpu::omp_num_threads_for_children(o.nprocs())) overrides["OMP_NUM_THREADS"] = *threads;
@@ -172,6 +174,7 @@ inline std::vector<std::string> Launcher::child_environment(int local_rank) cons
   overrides[env_names::master_port] = std::to_string(master_port_);
   overrides[env_names::run_dir] = run_dir_;
   overrides[env_names::launcher_pid] = std::to_string(::getpid());
+  if (process.replacement > 0) overrides[env_names::replacement] = std::to_string(process.replacement);
 
   std::vector<std::string> entries;
   for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
@@ -183,7 +186,7 @@ inline std::vector<std::string> Launcher::child_environment(int local_rank) cons
 }
 
 inline void Launcher::spawn(RankProcess& process, const std::vector<std::string>& argv) {
-  std::vector<std::string> environment = child_environment(process.local_rank);
+  std::vector<std::string> environment = child_environment(process);
   std::vector<char*> argv_pointers, env_pointers;
   for (const auto& arg : argv) argv_pointers.push_back(const_cast<char*>(arg.c_str()));
   argv_pointers.push_back(nullptr);
@@ -205,7 +208,9 @@ inline void Launcher::spawn(RankProcess& process, const std::vector<std::string>
   posix_spawn_file_actions_init(&files);
   const std::string log = run_dir_ + "/rank" + std::to_string(process.rank) + ".log";
   if (options_.log_to_files()) {
-    posix_spawn_file_actions_addopen(&files, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    // A replacement writes after the log of the process it replaces.
+    posix_spawn_file_actions_addopen(&files, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | (process.replacement > 0 ? O_APPEND : O_TRUNC), 0644);
     posix_spawn_file_actions_adddup2(&files, STDOUT_FILENO, STDERR_FILENO);
   }
   process.started = std::chrono::steady_clock::now();
@@ -302,17 +307,23 @@ inline const std::vector<RankProcess>& Launcher::launch() {
   std::optional<std::chrono::steady_clock::time_point> first_consequence_seen;
   while (true) {
     std::vector<const RankProcess*> failed;
+    std::vector<int> lost_ranks;
     bool any_running = false;
     for (auto& process : ranks_) {
       if (reap(process, false) && !process.succeeded() && !process.stopped_by_launcher && !process.lost) {
         // Elastic training: the others regroup without it (distributed/elastic/) and name it.
         process.lost = options_.elastic() && process.rank != 0;  // rank 0 holds the store
         if (!process.lost) failed.push_back(&process);
-        if (process.lost) std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") "
-                                    << process.describe() << "; elastic training: the others go on without it\n";
+        if (process.lost) {
+          std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") " << process.describe()
+                    << "; elastic training: the others go on without it\n";
+          lost_ranks.push_back(process.rank);
+        }
       }
       any_running = any_running || process.running;
     }
+    // Replacements only while the job goes on (ranks_ grows: no pointer into it is held then).
+    if (failed.empty() && any_running && !lost_ranks.empty()) start_replacements(lost_ranks, argv);
     if (int signal = detail::launcher_interrupt; signal != 0) {
       stop_all();
       remove_run_dir();  // the default disposition ends the process: no destructor will run
@@ -344,6 +355,32 @@ inline const std::vector<RankProcess>& Launcher::launch() {
     }
     if (!any_running) return ranks_;
     std::this_thread::sleep_for(options_.poll_interval());
+  }
+}
+
+/// Elastic training: a process in place of each rank in `lost_ranks` that has replacements left
+/// (LaunchOptions::max_replacements); it joins the running job when the others admit it.
+inline void Launcher::start_replacements(const std::vector<int>& lost_ranks, const std::vector<std::string>& argv) {
+  for (int rank : lost_ranks) {
+    const auto same_rank = [rank](const RankProcess& process) { return process.rank == rank; };
+    const int started = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), same_rank)) - 1;
+    if (started >= options_.max_replacements()) continue;
+    RankProcess process;
+    process.rank = rank;
+    process.local_rank = std::find_if(ranks_.begin(), ranks_.end(), same_rank)->local_rank;
+    process.replacement = started + 1;
+    ranks_.push_back(process);
+    try {
+      spawn(ranks_.back(), argv);
+    } catch (const std::exception& error) {
+      std::cerr << "trainloop: cannot start a replacement for rank " << rank << ": " << error.what()
+                << "; the others go on without it\n";
+      ranks_.pop_back();
+      continue;
+    }
+    std::cerr << "trainloop: started a replacement for rank " << rank << " (pid " << ranks_.back().pid << ", "
+              << process.replacement << " of at most " << options_.max_replacements()
+              << "); it joins at a step boundary\n";
   }
 }
 

@@ -146,6 +146,7 @@ struct RankProcess {
   int signal = 0;                       ///< terminating signal when killed, else 0
   bool stopped_by_launcher = false;     ///< it was still running when the launcher stopped all
   bool lost = false;                    ///< elastic training: it ended and the other ranks went on
+  int replacement = 0;                  ///< elastic training: 0 for the first process of its rank, n for its n-th replacement
   double wall_seconds = 0.0;            ///< spawn to reap
   std::chrono::steady_clock::time_point started{};  ///< when it was spawned
 

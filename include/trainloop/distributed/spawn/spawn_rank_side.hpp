@@ -6,6 +6,7 @@
 
 #include <trainloop/detail/error_context.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/distributed/launch/failure_report.hpp>
 #include <trainloop/distributed/launch/spawned_rank.hpp>
 #include <trainloop/distributed/spawn/spawn_session.hpp>
@@ -93,7 +94,11 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloo
           ::trainloop::detail::say_fresh_start(from, env.rank == 0);
           from = ::trainloop::detail::ResumeSpec{{run_dir / "initial.ckpt"}, true, false, "", /*announce=*/false};
         }
-        actions.train(from);
+        try {
+          actions.train(from);
+        } catch (const FitEndedBeforeAdmission&) {
+          return;  // a replacement the fit did not need: done, with nothing to write
+        }
         // A collective; each node's local rank 0 writes it for its node's launcher.
         actions.save(run_dir / "trained.ckpt", env.local_rank == 0);
         barrier();  // no rank leaves while another still needs it in a collective

@@ -1,0 +1,223 @@
+#pragma once
+/// @file
+/// @brief How a replacement process asks to join a running elastic job, and how the job admits it,
+/// through the job's store (the protocol; replacement_join.hpp forms the group with it).
+///
+/// Keys under `trainloop-elastic/join/` (one job: the launcher's store):
+/// - `tickets`: a counter; a replacement takes the next ticket (`add`), then writes `<ticket>/who`
+///   ("<its launcher rank> <owner tag>", so that rank 0 can tell it is still alive);
+/// - `<ticket>/admitted`: rank 0's answer, "<generation> <rank> <world size> <hand-off>" (the
+///   sharded hand-off's directory, or "-" when the state comes over the new group);
+/// - `closed`: rank 0 set it when the fit ended; a replacement still waiting then ends (exit 0).
+/// `trainloop-elastic/g<generation>/grow` is rank 0's decision for the other members: the tickets
+/// it admitted, in the order of their new ranks.
+///
+/// Rank 0 looks for waiting replacements at each step's commit, at most every 100 ms (one store
+/// round trip), and puts their number in its row of the commit (commit_record.hpp), so every rank
+/// learns it at the same step and they agree without another collective.
+
+#include <trainloop/detail/format.hpp>
+#include <trainloop/detail/process_identity.hpp>
+#include <trainloop/error.hpp>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace trainloop::distributed::elastic {
+
+/// Thrown by an engine at a step boundary when its ranks agreed at the last commit to admit
+/// waiting replacements; the elastic fit (elastic_fit.hpp) catches it, grows the group and resumes.
+class ReplacementsJoin : public std::exception {
+ public:
+  /// `waiting`: how many replacements rank 0 saw waiting at the commit.
+  explicit ReplacementsJoin(std::int64_t waiting) : waiting_(waiting) {}
+  /// How many replacements rank 0 saw waiting.
+  std::int64_t waiting() const { return waiting_; }
+  const char* what() const noexcept override {
+    return "trainloop: replacements join at this step boundary (elastic training's signal; the elastic fit handles it)";
+  }
+
+ private:
+  std::int64_t waiting_;
+};
+
+/// One replacement's request.
+struct JoinRequest {
+  std::int64_t ticket = 0;  ///< its place in the queue
+  int launcher_rank = 0;    ///< the rank whose place its launcher gave it
+  std::string owner;        ///< its owner tag (pid, start time, machine)
+  /// Its pid, for the log.
+  long pid() const { return std::atol(owner.substr(0, owner.find('-')).c_str()); }
+};
+
+/// Where a replacement goes once admitted.
+struct Admission {
+  int generation = 0;    ///< the group's generation it joins
+  int rank = 0;          ///< its rank there
+  int world_size = 0;    ///< the group's size
+  std::string hand_off;  ///< the sharded hand-off's directory, empty when the state comes over the group
+};
+
+/// The store keys (see the file comment).
+namespace join_keys {
+inline std::string tickets() { return "trainloop-elastic/join/tickets"; }
+inline std::string who(std::int64_t ticket) { return "trainloop-elastic/join/" + std::to_string(ticket) + "/who"; }
+inline std::string admitted(std::int64_t ticket) { return "trainloop-elastic/join/" + std::to_string(ticket) + "/admitted"; }
+inline std::string closed() { return "trainloop-elastic/join/closed"; }
+inline std::string grow(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/grow"; }
+}  // namespace join_keys
+
+namespace detail {
+inline std::string text_of(const std::vector<std::uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+inline std::vector<std::uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
+}  // namespace detail
+
+/// Rank 0's view of the queue (see the file comment).
+class JoinWatch {
+ public:
+  /// How many live replacements wait, in ticket order; looks at the store at most every 100 ms.
+  /// `committed_step`: the step being committed (the test hook TRAINLOOP_TEST_AWAIT_REPLACEMENT=<step>
+  /// admits at that step only, waiting there up to two minutes until one asks: tests then know
+  /// where it joins).
+  std::int64_t waiting(::c10d::Store& store, std::int64_t committed_step) {
+    const auto now = std::chrono::steady_clock::now();
+    if (test_hold_step() >= 0 && test_hold_step() != committed_step) return 0;
+    const bool hold = test_hold_step() == committed_step;
+    if (!hold && now - checked_ < kInterval) return static_cast<std::int64_t>(ready_.size());
+    checked_ = now;
+    look(store);
+    for (const auto deadline = now + std::chrono::minutes(2); hold && ready_.empty() && std::chrono::steady_clock::now() < deadline;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      look(store);
+    }
+    return static_cast<std::int64_t>(ready_.size());
+  }
+
+  /// The first `count` replacements that wait and are still alive; every ticket up to the last one
+  /// looked at is decided (taken, or passed over because its process is gone).
+  std::vector<JoinRequest> take(::c10d::Store& store, std::int64_t count) {
+    look(store);
+    std::vector<JoinRequest> taken;
+    for (const JoinRequest& request : ready_) {
+      if (static_cast<std::int64_t>(taken.size()) == count) break;
+      taken.push_back(request);
+      next_ = request.ticket + 1;
+    }
+    ready_.clear();
+    checked_ = {};
+    return taken;
+  }
+
+ private:
+  static constexpr std::chrono::milliseconds kInterval{100};
+
+  static std::int64_t test_hold_step() {
+    static const std::int64_t step = [] {
+      const char* text = std::getenv("TRAINLOOP_TEST_AWAIT_REPLACEMENT");
+      return text == nullptr ? std::int64_t{-1} : std::atoll(text);
+    }();
+    return step;
+  }
+
+  /// The live requests from the first undecided ticket on (up to the first whose process has not
+  /// written its owner yet); tickets of processes that are gone are decided: passed over.
+  void look(::c10d::Store& store) {
+    ready_.clear();
+    const std::int64_t tickets = store.add(join_keys::tickets(), 0);
+    for (std::int64_t ticket = next_; ticket < tickets; ++ticket) {
+      if (!store.check({join_keys::who(ticket)})) break;
+      std::istringstream who(detail::text_of(store.get(join_keys::who(ticket))));
+      JoinRequest request;
+      request.ticket = ticket;
+      who >> request.launcher_rank >> request.owner;
+      if (::trainloop::detail::owner_tag_is_dead(request.owner)) {
+        if (ready_.empty()) next_ = ticket + 1;
+        continue;
+      }
+      ready_.push_back(request);
+    }
+  }
+
+  std::int64_t next_ = 0;  // the first ticket not decided
+  std::vector<JoinRequest> ready_;
+  std::chrono::steady_clock::time_point checked_{};
+};
+
+/// On rank 0: admits `joining` into generation `generation` + 1 of `old_world` + their number
+/// ranks (they take the ranks after the members'), telling each where the state is (`hand_off`,
+/// empty: over the group), and writes the decision for the other members.
+inline void write_admissions(::c10d::Store& store, int generation, int old_world, const std::vector<JoinRequest>& joining,
+                             const std::string& hand_off) {
+  std::ostringstream decision;
+  for (std::size_t i = 0; i < joining.size(); ++i) {
+    store.set(join_keys::admitted(joining[i].ticket),
+              detail::bytes_of(::trainloop::detail::concat(generation + 1, ' ', old_world + static_cast<int>(i), ' ',
+                                                           old_world + static_cast<int>(joining.size()), ' ',
+                                                           hand_off.empty() ? std::string("-") : hand_off)));
+    decision << joining[i].ticket << ' ' << joining[i].launcher_rank << ' ' << joining[i].owner << ' ';
+  }
+  store.set(join_keys::grow(generation), detail::bytes_of(decision.str()));
+}
+
+/// On the other members: rank 0's decision for generation `generation` (waits up to `timeout`).
+/// @throws trainloop::CommunicationError when none comes (rank 0 lost).
+inline std::vector<JoinRequest> read_admissions(::c10d::Store& store, int generation, std::chrono::milliseconds timeout) {
+  try {
+    store.wait({join_keys::grow(generation)}, timeout);
+  } catch (const c10::Error& error) {
+    throw CommunicationError(::trainloop::detail::concat("trainloop: rank 0's decision on the replacements joining did not "
+                                                         "come within ", timeout.count(), " ms: ", error.what_without_backtrace()));
+  }
+  std::istringstream decision(detail::text_of(store.get(join_keys::grow(generation))));
+  std::vector<JoinRequest> joining;
+  for (JoinRequest request; decision >> request.ticket >> request.launcher_rank >> request.owner;) joining.push_back(request);
+  return joining;
+}
+
+/// In a replacement: takes a ticket and says who asks. @return the ticket.
+inline std::int64_t ask_to_join(::c10d::Store& store, int launcher_rank) {
+  const std::int64_t ticket = store.add(join_keys::tickets(), 1) - 1;
+  store.set(join_keys::who(ticket), detail::bytes_of(::trainloop::detail::concat(launcher_rank, ' ', ::trainloop::detail::own_owner_tag())));
+  return ticket;
+}
+
+/// In a replacement: waits until rank 0 admits ticket `ticket` (nothing when the fit ended first).
+/// No limit: the survivors admit it at their next step boundary inside an epoch, which a long
+/// evaluation may put minutes away. A store that went away ends the wait as a closed fit does:
+/// rank 0's process ended (the job is over, or its launcher is ending it, rank 0 lost).
+inline std::optional<Admission> wait_for_admission(::c10d::Store& store, std::int64_t ticket) {
+  for (;;) {
+    bool admitted = false;
+    try {
+      admitted = store.check({join_keys::admitted(ticket)});
+      if (!admitted && store.check({join_keys::closed()})) return std::nullopt;
+    } catch (const std::exception&) {
+      return std::nullopt;  // rank 0's process, which holds the store, ended: the job is over (or its launcher ends it)
+    }
+    if (admitted) {
+      std::istringstream answer(detail::text_of(store.get(join_keys::admitted(ticket))));
+      Admission admission;
+      answer >> admission.generation >> admission.rank >> admission.world_size >> admission.hand_off;
+      TRAINLOOP_CHECK(!answer.fail() && admission.world_size > admission.rank && admission.rank > 0,
+                      "the admission of replacement ticket ", ticket, " in the store is malformed; expected "
+                      "'<generation> <rank> <world size> <hand-off>'");
+      if (admission.hand_off == "-") admission.hand_off.clear();
+      return admission;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+/// On rank 0 when its fit ended: replacements still waiting end.
+inline void close_admissions(::c10d::Store& store) { store.set(join_keys::closed(), detail::bytes_of("1")); }
+
+}  // namespace trainloop::distributed::elastic

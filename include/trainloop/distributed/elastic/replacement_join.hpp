@@ -1,0 +1,89 @@
+#pragma once
+/// @file
+/// @brief A replacement process joins the running job's group (admission.hpp has the protocol):
+/// at a step boundary the members agreed on, rank 0 admits the replacements that wait and are
+/// alive, and the members and the replacements form the next generation's group — the members in
+/// their order, the replacements after them — over the job's store, as after a loss
+/// (regroup.hpp). What they resume from is elastic_fit.hpp's.
+
+#include <trainloop/detail/format.hpp>
+#include <trainloop/distributed/comm/process_group.hpp>
+#include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/comm/rendezvous.hpp>
+#include <trainloop/distributed/elastic/admission.hpp>
+#include <trainloop/distributed/elastic/membership.hpp>
+#include <trainloop/distributed/elastic/regroup.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/distributed/job/replacement.hpp>
+#include <trainloop/error.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace trainloop::distributed::elastic {
+
+/// What admitting replacements made of the group.
+struct Grown {
+  std::vector<JoinRequest> joined;  ///< the replacements admitted, in the order of their new ranks
+  int old_world = 0;                ///< ranks before
+};
+
+/// On every member, at the boundary its ranks agreed on: rank 0 admits up to `waiting`
+/// replacements (`watch`: its queue; null elsewhere), telling them where the state is
+/// (`hand_off`: the sharded hand-off's directory, empty when it comes over the new group), and
+/// every member joins the next generation's group with them. None may be left to admit (the
+/// ones that waited died since): the group is then formed again without newcomers.
+/// @throws trainloop::CommunicationError when rank 0's decision does not come (rank 0 lost).
+inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, const std::string& hand_off,
+                      std::chrono::milliseconds timeout) {
+  auto& session = ::trainloop::distributed::detail::session_group();
+  std::lock_guard<std::mutex> lock(session.mutex);
+  const ProcessGroup old = session.group;
+  ::c10d::Store& store = *old.job_store();
+  Grown grown;
+  grown.old_world = old.world_size();
+  const int generation = detail::generation();
+  if (old.rank() == 0) {
+    TRAINLOOP_CHECK(watch != nullptr, "rank 0 admits replacements without its queue; expected the engine's JoinWatch");
+    grown.joined = watch->take(store, waiting);
+    write_admissions(store, generation, grown.old_world, grown.joined, hand_off);
+  } else {
+    grown.joined = read_admissions(store, generation, timeout);
+  }
+  detail::next_generation_group(session, old, old.rank(), grown.old_world + static_cast<int>(grown.joined.size()), env);
+  return grown;
+}
+
+/// In a replacement (awaiting_admission()): asks to join, waits until rank 0 admits it, and joins
+/// the group it is admitted to (`options`: the engine's backend, device and timeout). Returns the
+/// admission; nothing when the fit ended before it was admitted.
+inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessGroupOptions options) {
+  options.rank = env.rank;  // only to reach the store as a client
+  options.world_size = env.world_size;
+  options.master_addr = env.master_addr;
+  options.master_port = env.master_port;
+  options.is_store_server = false;
+  const c10::intrusive_ptr<::c10d::Store> store = connect_store(options);
+  const std::int64_t ticket = ask_to_join(*store, env.rank);
+  std::optional<Admission> admission = wait_for_admission(*store, ticket);
+  if (!admission) return std::nullopt;
+  auto& session = ::trainloop::distributed::detail::session_group();
+  std::lock_guard<std::mutex> lock(session.mutex);
+  detail::generation() = admission->generation;
+  options.rank = admission->rank;
+  options.world_size = admission->world_size;
+  options.store_prefix = detail::generation_group_prefix(admission->generation);
+  session.group = ProcessGroup::create(options);
+  session.group.log_collectives();
+  session.options = options;
+  publish_identity(*session.group.job_store(), GenerationKeys(admission->generation), admission->rank);
+  detail::install_probe_for(session.group, admission->generation);
+  awaiting_admission() = false;
+  return admission;
+}
+
+}  // namespace trainloop::distributed::elastic
