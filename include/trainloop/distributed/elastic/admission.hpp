@@ -6,8 +6,9 @@
 /// Keys under `trainloop-elastic/join/` (one job: the launcher's store):
 /// - `tickets`: a counter; a replacement takes the next ticket (`add`), then writes `<ticket>/who`
 ///   ("<its launcher rank> <owner tag>", so that rank 0 can tell it is still alive);
-/// - `<ticket>/admitted`: rank 0's answer, "<generation> <rank> <world size> <hand-off>" (the
-///   sharded hand-off's directory, or "-" when the state comes over the new group);
+/// - `<ticket>/admitted`: rank 0's answer, "<generation> <rank> <world size> <step> <hand-off>" (the
+///   step the group resumes from; the sharded hand-off's directory, or "-" when the state comes over
+///   the new group);
 /// - `closed`: rank 0 set it when the fit ended; a replacement still waiting then ends (exit 0).
 /// `trainloop-elastic/g<generation>/grow` is rank 0's decision for the other members: the tickets
 /// it admitted, in the order of their new ranks.
@@ -64,6 +65,7 @@ struct Admission {
   int generation = 0;    ///< the group's generation it joins
   int rank = 0;          ///< its rank there
   int world_size = 0;    ///< the group's size
+  std::int64_t step = 0; ///< the step the group resumes from (its collectives until then are logged at it)
   std::string hand_off;  ///< the sharded hand-off's directory, empty when the state comes over the group
 };
 
@@ -153,15 +155,15 @@ class JoinWatch {
 };
 
 /// On rank 0: admits `joining` into generation `generation` + 1 of `old_world` + their number
-/// ranks (they take the ranks after the members'), telling each where the state is (`hand_off`,
-/// empty: over the group), and writes the decision for the other members.
+/// ranks (they take the ranks after the members'), resuming from `step`, telling each where the
+/// state is (`hand_off`, empty: over the group), and writes the decision for the other members.
 inline void write_admissions(::c10d::Store& store, int generation, int old_world, const std::vector<JoinRequest>& joining,
-                             const std::string& hand_off) {
+                             std::int64_t step, const std::string& hand_off) {
   std::ostringstream decision;
   for (std::size_t i = 0; i < joining.size(); ++i) {
     store.set(join_keys::admitted(joining[i].ticket),
               detail::bytes_of(::trainloop::detail::concat(generation + 1, ' ', old_world + static_cast<int>(i), ' ',
-                                                           old_world + static_cast<int>(joining.size()), ' ',
+                                                           old_world + static_cast<int>(joining.size()), ' ', step, ' ',
                                                            hand_off.empty() ? std::string("-") : hand_off)));
     decision << joining[i].ticket << ' ' << joining[i].launcher_rank << ' ' << joining[i].owner << ' ';
   }
@@ -206,10 +208,10 @@ inline std::optional<Admission> wait_for_admission(::c10d::Store& store, std::in
     if (admitted) {
       std::istringstream answer(detail::text_of(store.get(join_keys::admitted(ticket))));
       Admission admission;
-      answer >> admission.generation >> admission.rank >> admission.world_size >> admission.hand_off;
+      answer >> admission.generation >> admission.rank >> admission.world_size >> admission.step >> admission.hand_off;
       TRAINLOOP_CHECK(!answer.fail() && admission.world_size > admission.rank && admission.rank > 0,
                       "the admission of replacement ticket ", ticket, " in the store is malformed; expected "
-                      "'<generation> <rank> <world size> <hand-off>'");
+                      "'<generation> <rank> <world size> <step> <hand-off>'");
       if (admission.hand_off == "-") admission.hand_off.clear();
       return admission;
     }

@@ -222,7 +222,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
                                      ::trainloop::distributed::elastic::detail::generation(),
                                      parts.state_bytes ? parts.state_bytes() : 0).string();
   }
-  const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), sharded, parts.elastic_wait + std::chrono::seconds(30));
+  const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), step, sharded, parts.elastic_wait + std::chrono::seconds(30));
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
   ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, sharded, parts);
   if (group.rank() == 0) {

@@ -16,6 +16,7 @@
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/progress_beacon.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -33,12 +34,13 @@ struct Grown {
 };
 
 /// On every member, at the boundary its ranks agreed on: rank 0 admits up to `waiting`
-/// replacements (`watch`: its queue; null elsewhere), telling them where the state is
+/// replacements (`watch`: its queue; null elsewhere), telling them the step `step` the group
+/// resumes from and where its state is
 /// (`hand_off`: the sharded hand-off's directory, empty when it comes over the new group), and
 /// every member joins the next generation's group with them. None may be left to admit (the
 /// ones that waited died since): the group is then formed again without newcomers.
 /// @throws trainloop::CommunicationError when rank 0's decision does not come (rank 0 lost).
-inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, const std::string& hand_off,
+inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::int64_t step, const std::string& hand_off,
                       std::chrono::milliseconds timeout) {
   auto& session = ::trainloop::distributed::detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
@@ -50,7 +52,7 @@ inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting
   if (old.rank() == 0) {
     TRAINLOOP_CHECK(watch != nullptr, "rank 0 admits replacements without its queue; expected the engine's JoinWatch");
     grown.joined = watch->take(store, waiting);
-    write_admissions(store, generation, grown.old_world, grown.joined, hand_off);
+    write_admissions(store, generation, grown.old_world, grown.joined, step, hand_off);
   } else {
     grown.joined = read_admissions(store, generation, timeout);
   }
@@ -83,6 +85,8 @@ inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessG
   publish_identity(*session.group.job_store(), GenerationKeys(admission->generation), admission->rank);
   detail::install_probe_for(session.group, admission->generation);
   awaiting_admission() = false;
+  // Its collectives until the resume are logged at the members' step (the stall watchdog compares them).
+  progress::progress_beacon().set_global_step(admission->step);
   return admission;
 }
 
