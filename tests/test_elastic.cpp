@@ -205,6 +205,24 @@ BOOST_AUTO_TEST_CASE(a_replacement_joins_a_job_at_sharding_full_from_the_members
   BOOST_TEST(hand_off_files_left() == 0);
 }
 
+BOOST_AUTO_TEST_CASE(a_replacement_the_fit_does_not_admit_ends_with_the_job) {
+  // Admitted at step 1000 only, which never comes: it waits, the fit ends, and it ends with success.
+  const fs::path dir = fresh_dir("elastic_join_unneeded");
+  WorkerRun run = run_worker("ckpt", 3, 0,
+                             common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=1 TL_TEST_CKPT_DIR=" +
+                                 (dir / "ckpt").string() + " TRAINLOOP_TEST_KILL_AT=2:3:forward TRAINLOOP_TEST_AWAIT_REPLACEMENT=1000",
+                             "_join_unneeded");
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  BOOST_TEST(run.output.find("started a replacement for rank 2") != std::string::npos, run.output);
+  BOOST_TEST(run.output.find("joined at step") == std::string::npos, run.output);
+  BOOST_TEST(run.result["epoch2_samples"] == kSamples);
+  BOOST_TEST(leftover_workers() == 0);
+  BOOST_TEST(hand_off_files_left() == 0);
+  fs::remove_all(run.dir);
+  fs::remove_all(dir);
+}
+
 BOOST_AUTO_TEST_CASE(two_neighbours_lost_at_once_end_a_sharded_job_named) {
   // Rank 1 kept rank 2's only copy: nothing can rebuild rank 2's shards.
   const fs::path dir = fresh_dir("elastic_neighbours");

@@ -62,14 +62,23 @@ inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting
 
 /// In a replacement (awaiting_admission()): asks to join, waits until rank 0 admits it, and joins
 /// the group it is admitted to (`options`: the engine's backend, device and timeout). Returns the
-/// admission; nothing when the fit ended before it was admitted.
+/// admission; nothing when the fit ended before it was admitted (or before it could ask).
 inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessGroupOptions options) {
   options.rank = env.rank;  // only to reach the store as a client
   options.world_size = env.world_size;
   options.master_addr = env.master_addr;
   options.master_port = env.master_port;
   options.is_store_server = false;
-  const c10::intrusive_ptr<::c10d::Store> store = connect_store(options);
+  // The store lives as long as rank 0's process: nothing listening means the job is over (a
+  // replacement started as the fit ended; or rank 0 was lost, which its launcher reports).
+  ProcessGroupOptions reach = options;
+  reach.timeout = std::chrono::seconds(5);
+  c10::intrusive_ptr<::c10d::Store> store;
+  try {
+    store = connect_store(reach);
+  } catch (const CommunicationError&) {
+    return std::nullopt;
+  }
   const std::int64_t ticket = ask_to_join(*store, env.rank);
   std::optional<Admission> admission = wait_for_admission(*store, ticket);
   if (!admission) return std::nullopt;
