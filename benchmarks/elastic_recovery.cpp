@@ -10,6 +10,10 @@
 //   elastic_recovery --scenario restart --kill-at K --every E ...  the same death without elastic
 //                                                           training: max_restarts(1) restarts every rank
 //                                                           from the newest checkpoint (one every E steps)
+//   elastic_recovery --scenario join --kill-at K ...        as elastic, and the launcher starts a
+//                                                           replacement (max_replacements 1), which joins:
+//                                                           the time until the job has its size again, and
+//                                                           the pause its admission costs the members
 //
 // The main rank appends "step <global step> <unix time> <world size>" at every step's end to a log;
 // the test hook writes the time of the kill into its mark file. After fit() returns, the launching
@@ -86,7 +90,7 @@ int main(int argc, char** argv) {
   std::string scenario = "elastic", dir = "/tmp/trainloop_elastic_recovery", sharding = "none";
   int ranks = 3, kill_rank = 2, elastic_flag = 1;
   int64_t layers = 6, width = 4096, batch_size = 8, steps = 12, kill_at = 6, every = 4;
-  app.add_option("--scenario", scenario)->check(CLI::IsMember({"steady", "elastic", "restart"}));
+  app.add_option("--scenario", scenario)->check(CLI::IsMember({"steady", "elastic", "restart", "join"}));
   app.add_option("--elastic", elastic_flag, "steady: elastic training on (1) or off (0)");
   app.add_option("--ranks", ranks, "CPU ranks at the start");
   app.add_option("--kill-rank", kill_rank, "the rank killed (not 0)");
@@ -125,9 +129,9 @@ int main(int argc, char** argv) {
                   .procs_per_node(ranks)
                   .device_type(torch::kCPU)
                   .timeout(std::chrono::seconds(300))
-                  .elastic(scenario == "elastic" || (scenario == "steady" && elastic_flag != 0))
+                  .elastic(scenario == "elastic" || scenario == "join" || (scenario == "steady" && elastic_flag != 0))
                   .max_restarts(scenario == "restart" ? 1 : 0)
-                  .max_replacements(0)  // the survivors go on alone: what this measures
+                  .max_replacements(scenario == "join" ? 1 : 0)  // elastic: the survivors go on alone
                   .zero(sharding == "optimizer");
   tl::gpu_mode::Any chosen = mode;
   if (sharding == "gradients" || sharding == "full") {
@@ -164,6 +168,19 @@ int main(int argc, char** argv) {
     if (line.step > completed_before && progress == 0.0) progress = line.time - death;
   }
   const long lost = death > 0.0 ? completed_before - (first_after - 1) : 0;
+  // join: the first step with every rank again, the interval that ends with it (the admission's
+  // pause plus that step), and the median step of the smaller world in between.
+  double back_to_full = 0.0, join_interval = 0.0;
+  std::vector<double> smaller;
+  for (size_t i = 1; i < lines.size() && death > 0.0; ++i) {
+    if (lines[i].time <= death || back_to_full > 0.0) continue;
+    if (lines[i].world == ranks && lines[i - 1].world < ranks) {
+      back_to_full = lines[i].time - death;
+      join_interval = lines[i].time - lines[i - 1].time;
+    } else if (lines[i].world < ranks && lines[i - 1].world < ranks) {
+      smaller.push_back(lines[i].time - lines[i - 1].time);
+    }
+  }
   std::printf("elastic_recovery scenario=%s sharding=%s elastic=%d ranks=%d->%d parameters=%.1fM step_s=%.3f steps_logged=%zu",
               scenario.c_str(), sharding.c_str(), static_cast<int>(mode.elastic()), ranks, lines.empty() ? 0 : lines.back().world,
               static_cast<double>(parameters) / 1e6, median(before), lines.size());
@@ -173,6 +190,10 @@ int main(int argc, char** argv) {
   if (scenario != "steady") {
     std::printf(" killed_in_step=%ld death_to_next_step_s=%.3f death_to_progress_s=%.3f steps_lost=%ld", kill_at,
                 next_step, progress, lost);
+    if (scenario == "join") {
+      std::printf(" death_to_full_size_s=%.3f join_step_interval_s=%.3f smaller_step_s=%.3f", back_to_full, join_interval,
+                  median(smaller));
+    }
   }
   std::printf("\n");
   return 0;

@@ -11,8 +11,8 @@
 #
 # Each repetition, in this order: steady with elastic off, steady with elastic on (the step time
 # ratio is the commits' cost), a rank killed with elastic on, the same kill with elastic off and
-# max_restarts(1) (a checkpoint every --every steps). The table: medians over the repetitions,
-# with min-max.
+# max_restarts(1) (a checkpoint every --every steps), then the kill with elastic on and a replacement
+# (max_replacements 1) that joins. The table: medians over the repetitions, with min-max.
 set -u
 build=${1:?usage: run_elastic_recovery.sh <build-dir> [repetitions] [options]}
 repetitions=${2:-3}
@@ -25,7 +25,7 @@ lines="$work/lines.txt"
 : > "$lines"
 echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) $(lscpu | sed -n 's/^Model name: *//p') $(nproc) cores; options: $*"
 for rep in $(seq 1 "$repetitions"); do
-  for run in "steady --elastic 0" "steady --elastic 1" "elastic" "restart"; do
+  for run in "steady --elastic 0" "steady --elastic 1" "elastic" "restart" "join"; do
     # shellcheck disable=SC2086
     out=$("$program" --scenario $run --dir "$work/job" "$@" 2>"$work/stderr.txt" | grep '^elastic_recovery ')
     if [ -z "$out" ]; then echo "rep $rep $run: no result"; tail -5 "$work/stderr.txt"; continue; fi
@@ -54,5 +54,11 @@ for scenario, elastic in (('elastic', '1'), ('restart', '0')):
     print(f"{scenario:8s} ranks {rs[0]['ranks']}: death to next step {spread([float(r['death_to_next_step_s']) for r in rs])} s, "
           f"to progress {spread([float(r['death_to_progress_s']) for r in rs])} s, "
           f"steps lost {sorted(int(r['steps_lost']) for r in rs)}, step before {spread([float(r['step_s']) for r in rs])} s")
+rs = pick('join', '1')
+if rs:
+    print(f"join     ranks {rs[0]['ranks']}: death to full size again {spread([float(r['death_to_full_size_s']) for r in rs])} s; "
+          f"the step interval ending with the first full-size step {spread([float(r['join_step_interval_s']) for r in rs])} s "
+          f"against a step of the smaller world {spread([float(r['smaller_step_s']) for r in rs])} s and one before the death "
+          f"{spread([float(r['step_s']) for r in rs])} s")
 PY
 rm -rf "$work"
