@@ -97,7 +97,8 @@ class JoinWatch {
     if (!hold && now - checked_ < kInterval) return static_cast<std::int64_t>(ready_.size());
     checked_ = now;
     look(store);
-    for (const auto deadline = now + std::chrono::minutes(2); hold && ready_.empty() && std::chrono::steady_clock::now() < deadline;) {
+    const auto deadline = now + std::chrono::minutes(2);
+    while (hold && ready_.empty() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       look(store);
     }
@@ -188,7 +189,8 @@ inline std::vector<JoinRequest> read_admissions(::c10d::Store& store, int genera
 /// In a replacement: takes a ticket and says who asks. @return the ticket.
 inline std::int64_t ask_to_join(::c10d::Store& store, int launcher_rank) {
   const std::int64_t ticket = store.add(join_keys::tickets(), 1) - 1;
-  store.set(join_keys::who(ticket), detail::bytes_of(::trainloop::detail::concat(launcher_rank, ' ', ::trainloop::detail::own_owner_tag())));
+  const std::string who = ::trainloop::detail::concat(launcher_rank, ' ', ::trainloop::detail::own_owner_tag());
+  store.set(join_keys::who(ticket), detail::bytes_of(who));
   return ticket;
 }
 

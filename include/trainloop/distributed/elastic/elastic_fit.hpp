@@ -13,6 +13,11 @@
 /// process removes its file as soon as it is loaded. Nothing is read from the job's checkpoints.
 /// Before any step of the fit was committed, the survivors start the fit again from where it
 /// started (the caller's state, or the checkpoint it resumed).
+///
+/// Replacements (replacement_join.hpp): at the step boundary the ranks agreed on, every member
+/// leaves the fit (ReplacementsJoin), the group grows by the replacements admitted, and every rank
+/// — the replacements too, which enter here before their fit trains — resumes from the step
+/// committed last with the grown world size, handed over from memory.
 
 #include <trainloop/checkpoint/resume.hpp>
 #include <trainloop/detail/format.hpp>
@@ -222,7 +227,8 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
                                      ::trainloop::distributed::elastic::detail::generation(),
                                      parts.state_bytes ? parts.state_bytes() : 0).string();
   }
-  const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), step, sharded, parts.elastic_wait + std::chrono::seconds(30));
+  const Grown grown =
+      grow_job(*parts.env, parts.join_watch, join.waiting(), step, sharded, parts.elastic_wait + std::chrono::seconds(30));
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
   ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, sharded, parts);
   if (group.rank() == 0) {
@@ -235,7 +241,10 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
            << " ms, from step " << step << " held by the " << grown.old_world << " rank" << (grown.old_world == 1 ? "" : "s")
            << " before it)\n";
     }
-    if (grown.joined.empty()) line << "trainloop: the replacements that asked to join at step " << step + 1 << " ended first; continuing with " << group.world_size() << " ranks\n";
+    if (grown.joined.empty()) {
+      line << "trainloop: the replacements that asked to join at step " << step + 1 << " ended first; continuing with "
+           << group.world_size() << " ranks\n";
+    }
     std::cerr << line.str() << std::flush;
   }
   return next;

@@ -35,10 +35,10 @@ struct Grown {
 
 /// On every member, at the boundary its ranks agreed on: rank 0 admits up to `waiting`
 /// replacements (`watch`: its queue; null elsewhere), telling them the step `step` the group
-/// resumes from and where its state is
-/// (`hand_off`: the sharded hand-off's directory, empty when it comes over the new group), and
-/// every member joins the next generation's group with them. None may be left to admit (the
-/// ones that waited died since): the group is then formed again without newcomers.
+/// resumes from and where its state is (`hand_off`: the sharded hand-off's directory, empty when
+/// it comes over the new group), and every member joins the next generation's group with them.
+/// None may be left to admit (the ones that waited died since): the group is then formed again
+/// without newcomers.
 /// @throws trainloop::CommunicationError when rank 0's decision does not come (rank 0 lost).
 inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::int64_t step, const std::string& hand_off,
                       std::chrono::milliseconds timeout) {
