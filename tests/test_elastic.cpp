@@ -43,6 +43,23 @@ int resumed_from_step(const std::string& output) {
   return std::stoi(match[2]);
 }
 
+/// The elastic run ended as the deliberate one: the same parameters bit for bit, every sample of
+/// every epoch counted once, each epoch's loss and accuracy and the last validation loss exactly
+/// the deliberate run's.
+void expect_same_end(const std::string& name, WorkerRun& elastic, WorkerRun& deliberate) {
+  const torch::Tensor ended = load_params((elastic.dir / "params.pt").string());
+  const torch::Tensor changed = load_params((deliberate.dir / "params.pt").string());
+  BOOST_TEST_MESSAGE(name << ": max |elastic - deliberate| = " << (ended - changed).abs().max().item<double>());
+  BOOST_TEST(torch::equal(ended, changed), name << ": the parameters differ from the deliberate world-size change");
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
+    const std::string key = "epoch" + std::to_string(epoch);
+    BOOST_TEST(elastic.result[key + "_samples"] == kSamples, name << " " << key);
+    BOOST_TEST(elastic.result[key + "_loss"] == deliberate.result[key + "_loss"], name << " " << key);
+    BOOST_TEST(elastic.result[key + "_accuracy"] == deliberate.result[key + "_accuracy"], name << " " << key);
+  }
+  BOOST_TEST(elastic.result["val_loss"] == deliberate.result["val_loss"]);
+}
+
 /// Runs ddp_worker with `world` ranks, elastic, one rank killed as `kill` says (rank:step:phase),
 /// then the deliberate reference: `world` ranks writing a checkpoint every step, that step's
 /// checkpoint resumed on world-1 ranks. Both must end alike, bit for bit. `mode` (a sharding
@@ -72,19 +89,8 @@ void lost_rank_equals_deliberate_change(const std::string& name, int world, cons
                                "_after_" + name);
   BOOST_REQUIRE_MESSAGE(after.exit_code == 0, after.output);
 
-  const torch::Tensor lost = load_params((elastic.dir / "params.pt").string());
-  const torch::Tensor changed = load_params((after.dir / "params.pt").string());
-  BOOST_TEST_MESSAGE(name << ": resumed from step " << committed << ", max |elastic - deliberate| = "
-                          << (lost - changed).abs().max().item<double>());
-  BOOST_TEST(torch::equal(lost, changed), name << ": the parameters differ from the deliberate world-size change");
-  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
-    const std::string key = "epoch" + std::to_string(epoch);
-    // Every sample of every epoch counted once, the loss and accuracy exactly the deliberate run's.
-    BOOST_TEST(elastic.result[key + "_samples"] == kSamples, name << " " << key);
-    BOOST_TEST(elastic.result[key + "_loss"] == after.result[key + "_loss"], name << " " << key);
-    BOOST_TEST(elastic.result[key + "_accuracy"] == after.result[key + "_accuracy"], name << " " << key);
-  }
-  BOOST_TEST(elastic.result["val_loss"] == after.result["val_loss"]);
+  BOOST_TEST_MESSAGE(name << ": resumed from step " << committed);
+  expect_same_end(name, elastic, after);
   for (auto* run : {&elastic, &before, &after}) fs::remove_all(run->dir);
   fs::remove_all(dir);
 }
@@ -122,17 +128,7 @@ void replacement_equals_deliberate_changes(const std::string& name, const std::s
   BOOST_REQUIRE_MESSAGE(fs::exists(step5), step5.string());
   WorkerRun after = run("after", 3, " TL_TEST_RESUME=" + step5.string());
 
-  const torch::Tensor joined = load_params((elastic.dir / "params.pt").string());
-  const torch::Tensor changed = load_params((after.dir / "params.pt").string());
-  BOOST_TEST_MESSAGE(name << ": max |elastic - deliberate| = " << (joined - changed).abs().max().item<double>());
-  BOOST_TEST(torch::equal(joined, changed), name << ": the parameters differ from the deliberate world-size changes");
-  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
-    const std::string key = "epoch" + std::to_string(epoch);
-    BOOST_TEST(elastic.result[key + "_samples"] == kSamples, name << " " << key);
-    BOOST_TEST(elastic.result[key + "_loss"] == after.result[key + "_loss"], name << " " << key);
-    BOOST_TEST(elastic.result[key + "_accuracy"] == after.result[key + "_accuracy"], name << " " << key);
-  }
-  BOOST_TEST(elastic.result["val_loss"] == after.result["val_loss"]);
+  expect_same_end(name, elastic, after);
   for (auto* worker : {&elastic, &before, &middle, &after}) fs::remove_all(worker->dir);
   fs::remove_all(dir);
 }
@@ -168,6 +164,11 @@ BOOST_AUTO_TEST_CASE(two_ranks_lose_one_after_its_commit_and_the_last_goes_on_al
 
 BOOST_AUTO_TEST_CASE(three_ranks_lose_one_inside_a_checkpoint_write) {
   lost_rank_equals_deliberate_change("checkpoint", 3, "2:4:checkpoint", "TL_TEST_EVERY_STEPS=2 ");
+}
+
+BOOST_AUTO_TEST_CASE(three_ranks_lose_one_in_the_validation_after_an_epoch) {
+  // Step 5 ends epoch 1 on 3 ranks; rank 2 dies in the validation after it.
+  lost_rank_equals_deliberate_change("evaluation", 3, "2:5:evaluation");
 }
 
 // Sharded state (docs/elastic.md): the lost rank's shards come from its neighbour's copy, every
