@@ -6,12 +6,13 @@
 /// Keys under `trainloop-elastic/join/` (one job: the launcher's store):
 /// - `tickets`: a counter; a replacement takes the next ticket (`add`), then writes `<ticket>/who`
 ///   ("<its launcher rank> <owner tag>", so that rank 0 can tell it is still alive);
-/// - `<ticket>/admitted`: rank 0's answer, "<generation> <rank> <world size> <step> <hand-off>" (the
+/// - `<ticket>/admitted`: rank 0's answer, `<generation> <rank> <world size> <step> <hand-off>` (the
 ///   step the group resumes from; the sharded hand-off's directory, or "-" when the state comes over
 ///   the new group);
 /// - `closed`: rank 0 set it when the fit ended; a replacement still waiting then ends (exit 0).
-/// `trainloop-elastic/g<generation>/grow` is rank 0's decision for the other members: the tickets
-/// it admitted, in the order of their new ranks.
+/// `trainloop-elastic/g<generation>/grow` is rank 0's decision for the other members: whether the
+/// state goes over the grown group (1) or every replacement reads it from this machine's memory
+/// (0), then the tickets it admitted, in the order of their new ranks.
 ///
 /// Rank 0 looks for waiting replacements at each step's commit, at most every 100 ms (one store
 /// round trip), and puts their number in its row of the commit (commit_record.hpp), so every rank
@@ -43,6 +44,7 @@ class ReplacementsJoin : public std::exception {
   explicit ReplacementsJoin(std::int64_t waiting) : waiting_(waiting) {}
   /// How many replacements rank 0 saw waiting.
   std::int64_t waiting() const { return waiting_; }
+  /// What it is (it is caught by the elastic fit, never shown).
   const char* what() const noexcept override {
     return "trainloop: replacements join at this step boundary (elastic training's signal; the elastic fit handles it)";
   }
@@ -58,6 +60,10 @@ struct JoinRequest {
   std::string owner;        ///< its owner tag (pid, start time, machine)
   /// Its pid, for the log.
   long pid() const { return std::atol(owner.substr(0, owner.find('-')).c_str()); }
+  /// Whether it runs on this machine (and pid namespace): it can read this process's files in memory.
+  bool on_this_machine() const {
+    return owner.size() > 16 && owner.substr(owner.size() - 16) == ::trainloop::detail::pid_domain_tag();
+  }
 };
 
 /// Where a replacement goes once admitted.
@@ -71,10 +77,15 @@ struct Admission {
 
 /// The store keys (see the file comment).
 namespace join_keys {
+/// The counter replacements take their tickets from.
 inline std::string tickets() { return "trainloop-elastic/join/tickets"; }
+/// Who holds ticket `ticket`: "<launcher rank> <owner tag>".
 inline std::string who(std::int64_t ticket) { return "trainloop-elastic/join/" + std::to_string(ticket) + "/who"; }
+/// Rank 0's answer to ticket `ticket`.
 inline std::string admitted(std::int64_t ticket) { return "trainloop-elastic/join/" + std::to_string(ticket) + "/admitted"; }
+/// Set when the fit ended: replacements still waiting end.
 inline std::string closed() { return "trainloop-elastic/join/closed"; }
+/// Rank 0's decision for the members of generation `generation`.
 inline std::string grow(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/grow"; }
 }  // namespace join_keys
 
@@ -87,7 +98,7 @@ inline std::vector<std::uint8_t> bytes_of(const std::string& text) { return {tex
 class JoinWatch {
  public:
   /// How many live replacements wait, in ticket order; looks at the store at most every 100 ms.
-  /// `committed_step`: the step being committed (the test hook TRAINLOOP_TEST_AWAIT_REPLACEMENT=<step>
+  /// `committed_step`: the step being committed (the test hook `TRAINLOOP_TEST_AWAIT_REPLACEMENT=<step>`
   /// admits at that step only, waiting there up to two minutes until one asks: tests then know
   /// where it joins).
   std::int64_t waiting(::c10d::Store& store, std::int64_t committed_step) {
@@ -155,13 +166,25 @@ class JoinWatch {
   std::chrono::steady_clock::time_point checked_{};
 };
 
+/// Rank 0's decision on admitting replacements (see the file comment).
+struct GrowDecision {
+  std::vector<JoinRequest> joined;  ///< the replacements admitted, in the order of their new ranks
+  bool over_group = false;          ///< the state goes to them over the grown group (else each reads its hand-off)
+};
+
 /// On rank 0: admits `joining` into generation `generation` + 1 of `old_world` + their number
 /// ranks (they take the ranks after the members'), resuming from `step`, telling each where the
-/// state is (`hand_off`, empty: over the group), and writes the decision for the other members.
+/// state is (`hand_offs[i]` for `joining[i]`, all empty: over the group), and writes the decision
+/// for the other members.
 inline void write_admissions(::c10d::Store& store, int generation, int old_world, const std::vector<JoinRequest>& joining,
-                             std::int64_t step, const std::string& hand_off) {
+                             std::int64_t step, const std::vector<std::string>& hand_offs) {
+  TRAINLOOP_CHECK(hand_offs.size() == joining.size(), "admitting ", joining.size(), " replacements with ", hand_offs.size(),
+                  " hand-offs; expected one each");
+  const bool over_group = !hand_offs.empty() && hand_offs.front().empty();
   std::ostringstream decision;
+  decision << (over_group ? 1 : 0) << ' ';
   for (std::size_t i = 0; i < joining.size(); ++i) {
+    const std::string& hand_off = hand_offs[i];
     store.set(join_keys::admitted(joining[i].ticket),
               detail::bytes_of(::trainloop::detail::concat(generation + 1, ' ', old_world + static_cast<int>(i), ' ',
                                                            old_world + static_cast<int>(joining.size()), ' ', step, ' ',
@@ -173,7 +196,7 @@ inline void write_admissions(::c10d::Store& store, int generation, int old_world
 
 /// On the other members: rank 0's decision for generation `generation` (waits up to `timeout`).
 /// @throws trainloop::CommunicationError when none comes (rank 0 lost).
-inline std::vector<JoinRequest> read_admissions(::c10d::Store& store, int generation, std::chrono::milliseconds timeout) {
+inline GrowDecision read_admissions(::c10d::Store& store, int generation, std::chrono::milliseconds timeout) {
   try {
     store.wait({join_keys::grow(generation)}, timeout);
   } catch (const c10::Error& error) {
@@ -181,9 +204,12 @@ inline std::vector<JoinRequest> read_admissions(::c10d::Store& store, int genera
                                                          "come within ", timeout.count(), " ms: ", error.what_without_backtrace()));
   }
   std::istringstream decision(detail::text_of(store.get(join_keys::grow(generation))));
-  std::vector<JoinRequest> joining;
-  for (JoinRequest request; decision >> request.ticket >> request.launcher_rank >> request.owner;) joining.push_back(request);
-  return joining;
+  GrowDecision grow;
+  int over_group = 0;
+  decision >> over_group;
+  grow.over_group = over_group != 0;
+  for (JoinRequest request; decision >> request.ticket >> request.launcher_rank >> request.owner;) grow.joined.push_back(request);
+  return grow;
 }
 
 /// In a replacement: takes a ticket and says who asks. @return the ticket.

@@ -67,7 +67,7 @@ struct ElasticFitParts {
   /// Replacements (admission.hpp): rank 0's queue (null elsewhere), and in a replacement the
   /// options of the group it joins (backend, device, timeout).
   JoinWatch* join_watch = nullptr;
-  ProcessGroupOptions group_options;
+  ProcessGroupOptions group_options;  ///< a replacement's group: backend, device, timeout
 };
 
 namespace detail {
@@ -187,15 +187,15 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   return next;
 }
 
-/// The hand-off of a replacement's admission: the step the members committed last, as a
-/// per-rank checkpoint in this machine's memory from the copies of sharded state (written by the
-/// members before the group grows: its directory goes to the replacement with its admission), or
-/// the loop's state sent from rank 0 over the grown group. `sharded_hand_off`: written here first
-/// (members); `group`: the grown group.
+/// What a rank resumes from after an admission: `hand_off` (a file or directory in this machine's
+/// memory), or, when `over_group`, the loop's state sent from rank 0 over the grown group `group`
+/// (a collective of every rank).
 inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::detail::FitActions& actions, ProcessGroup& group,
-                                                          const std::string& sharded_hand_off, const ElasticFitParts& parts) {
-  std::filesystem::path file = sharded_hand_off;
-  if (file.empty()) {
+                                                          bool over_group, const std::string& hand_off,
+                                                          const ElasticFitParts& parts) {
+  std::filesystem::path file = hand_off;
+  if (over_group) {
+    if (!file.empty()) std::filesystem::remove(file);  // the one sent replaces it
     const int generation = ::trainloop::distributed::elastic::detail::generation();
     file = detail::share_file(
         group, 0, parts.state_bytes ? parts.state_bytes() : 0,
@@ -209,39 +209,63 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
 
 /// On every member at the step boundary its ranks agreed on (ReplacementsJoin): the group grows by
 /// the replacements rank 0 admits, and every rank resumes from the step committed last with the
-/// new world size — as a run that changed its world size at that step on purpose.
+/// new world size — as a run that changed its world size at that step on purpose. Each member
+/// writes that step from its own state (sharded: its copies, as one per-rank checkpoint; replicated:
+/// its own hand-off, the same on every member) and nothing travels to it; a replacement on this
+/// machine reads rank 0's (replicated: a link to rank 0's file, its own to consume); when one runs
+/// on another machine, rank 0 sends the state to every rank over the grown group.
 inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::detail::FitActions& actions,
                                                           const ReplacementsJoin& join, const ElasticFitParts& parts) {
   const auto began = std::chrono::steady_clock::now();
   ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
   const std::int64_t step = copies ? copies->newest_step() : parts.commits->committed_step();
   parts.put_back_committed_state();
-  std::string sharded;
+  std::string own;  // what this member resumes from
   if (copies) {  // every member holds its own copies of that step: nobody was lost
     ProcessGroup& old = ::trainloop::distributed::detail::session_group().group;
     Membership all;
     for (int rank = 0; rank < old.world_size(); ++rank) all.members.push_back(rank);
     all.committed_step = all.oldest_step = step;
     all.all_committed = true;
-    sharded = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
-                                     ::trainloop::distributed::elastic::detail::generation(),
-                                     parts.state_bytes ? parts.state_bytes() : 0).string();
+    own = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
+                                 ::trainloop::distributed::elastic::detail::generation(),
+                                 parts.state_bytes ? parts.state_bytes() : 0).string();
+  } else {  // every member committed that step: its weights, optimizer state, streams and sums
+    own = detail::hand_off_path(*parts.env, ::trainloop::distributed::elastic::detail::generation(),
+                                parts.state_bytes ? parts.state_bytes() : 0).string();
+    actions.save_committed(own);
   }
-  const Grown grown =
-      grow_job(*parts.env, parts.join_watch, join.waiting(), step, sharded, parts.elastic_wait + std::chrono::seconds(30));
+  // On rank 0: where each replacement finds the state (all empty: one is on another machine).
+  auto hand_offs_for = [&](const std::vector<JoinRequest>& joining) {
+    const bool local = std::all_of(joining.begin(), joining.end(), [](const JoinRequest& r) { return r.on_this_machine(); });
+    std::vector<std::string> hand_offs;
+    for (const JoinRequest& request : joining) {
+      if (copies || !local) {  // sharded state: one machine (join_fit checks), every replacement reads the directory
+        hand_offs.push_back(copies ? own : std::string());
+        continue;
+      }
+      const std::string link = ::trainloop::detail::concat(own, ".t", request.ticket);
+      std::filesystem::create_hard_link(own, link);
+      hand_offs.push_back(link);
+    }
+    return hand_offs;
+  };
+  const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), step, hand_offs_for,
+                               parts.elastic_wait + std::chrono::seconds(30));
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
-  ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, sharded, parts);
+  ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, grown.decision.over_group, own, parts);
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::ostringstream line;
-    for (std::size_t i = 0; i < grown.joined.size(); ++i) {
-      line << "trainloop: a replacement for rank " << grown.joined[i].launcher_rank << " (pid " << grown.joined[i].pid()
+    const std::vector<JoinRequest>& joined = grown.decision.joined;
+    for (std::size_t i = 0; i < joined.size(); ++i) {
+      line << "trainloop: a replacement for rank " << joined[i].launcher_rank << " (pid " << joined[i].pid()
            << ") joined at step " << step + 1 << " as rank " << grown.old_world + static_cast<int>(i) << "; continuing with "
            << group.world_size() << " ranks (admitted in " << std::fixed << std::setprecision(2) << seconds * 1000.0
            << " ms, from step " << step << " held by the " << grown.old_world << " rank" << (grown.old_world == 1 ? "" : "s")
            << " before it)\n";
     }
-    if (grown.joined.empty()) {
+    if (joined.empty()) {
       line << "trainloop: the replacements that asked to join at step " << step + 1 << " ended first; continuing with "
            << group.world_size() << " ranks\n";
     }
@@ -257,7 +281,8 @@ inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detai
                                                         const ElasticFitParts& parts) {
   std::optional<Admission> admission = join_as_replacement(*parts.env, parts.group_options);
   if (!admission) throw FitEndedBeforeAdmission();
-  return admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off, parts);
+  return admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off.empty(),
+                            admission->hand_off, parts);
 }
 
 /// The loop's fit, again from the committed state with the survivors after each lost rank, and

@@ -29,19 +29,21 @@ namespace trainloop::distributed::elastic {
 
 /// What admitting replacements made of the group.
 struct Grown {
-  std::vector<JoinRequest> joined;  ///< the replacements admitted, in the order of their new ranks
-  int old_world = 0;                ///< ranks before
+  GrowDecision decision;  ///< the replacements admitted, and how the state goes to them
+  int old_world = 0;      ///< ranks before
 };
 
 /// On every member, at the boundary its ranks agreed on: rank 0 admits up to `waiting`
 /// replacements (`watch`: its queue; null elsewhere), telling them the step `step` the group
-/// resumes from and where its state is (`hand_off`: the sharded hand-off's directory, empty when
-/// it comes over the new group), and every member joins the next generation's group with them.
+/// resumes from and where its state is (`hand_offs_for(joined)`: a file or directory each, or all
+/// empty when it comes over the new group), and every member joins the next generation's group
+/// with them.
 /// None may be left to admit (the ones that waited died since): the group is then formed again
 /// without newcomers.
 /// @throws trainloop::CommunicationError when rank 0's decision does not come (rank 0 lost).
-inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::int64_t step, const std::string& hand_off,
-                      std::chrono::milliseconds timeout) {
+template <class HandOffsFor>
+Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::int64_t step, HandOffsFor&& hand_offs_for,
+               std::chrono::milliseconds timeout) {
   auto& session = ::trainloop::distributed::detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
   const ProcessGroup old = session.group;
@@ -51,12 +53,15 @@ inline Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting
   const int generation = detail::generation();
   if (old.rank() == 0) {
     TRAINLOOP_CHECK(watch != nullptr, "rank 0 admits replacements without its queue; expected the engine's JoinWatch");
-    grown.joined = watch->take(store, waiting);
-    write_admissions(store, generation, grown.old_world, grown.joined, step, hand_off);
+    grown.decision.joined = watch->take(store, waiting);
+    const std::vector<std::string> hand_offs = hand_offs_for(grown.decision.joined);
+    write_admissions(store, generation, grown.old_world, grown.decision.joined, step, hand_offs);
+    grown.decision.over_group = !hand_offs.empty() && hand_offs.front().empty();
   } else {
-    grown.joined = read_admissions(store, generation, timeout);
+    grown.decision = read_admissions(store, generation, timeout);
   }
-  detail::next_generation_group(session, old, old.rank(), grown.old_world + static_cast<int>(grown.joined.size()), env);
+  const int world = grown.old_world + static_cast<int>(grown.decision.joined.size());
+  detail::next_generation_group(session, old, old.rank(), world, env);
   return grown;
 }
 

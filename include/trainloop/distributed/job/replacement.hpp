@@ -29,6 +29,7 @@ inline std::atomic<bool>& awaiting_admission() {
 /// passed while it started): it has nothing to do, and its process ends with success.
 class FitEndedBeforeAdmission : public std::exception {
  public:
+  /// What happened.
   const char* what() const noexcept override {
     return "trainloop: the fit ended before this replacement was admitted; it ends without training";
   }
