@@ -39,6 +39,8 @@ def train(rank, world, args, results):
         model = timm.create_model(args.timm, num_classes=10, **extra)
     else:
         model = getattr(torchvision.models, args.arch)(num_classes=10)
+    device = torch.device(args.device)
+    model = model.to(device)
     if args.memory_format == "channels-last":
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -55,8 +57,9 @@ def train(rank, world, args, results):
         for step in range(args.steps):
             xb = x[step * args.batch_size:(step + 1) * args.batch_size]
             yb = y[step * args.batch_size:(step + 1) * args.batch_size]
+            xb, yb = xb.to(device), yb.to(device)
             optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = loss_fn(model(xb), yb)
             loss.backward()
             optimizer.step()
@@ -98,6 +101,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--mode", default="single", choices=["single", "ddp"])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:0 (single)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                         help="bf16: torch.autocast('cpu', torch.bfloat16) around forward and loss")
     parser.add_argument("--memory-format", default="contiguous", choices=["contiguous", "channels-last"],

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
 # The GPU checklist, run on a machine with an NVIDIA GPU and pip torch (2.x, CUDA): builds
 # trainloop against the wheel's libtorch, runs the test suite and the example on cuda:0 in every
-# mode, and writes logs to OUT_DIR.
+# mode, and writes logs to OUT_DIR (at most 8 files: what a device call brings back).
 #
 #   scripts/gpu-check.sh DEPS_DIR OUT_DIR [STEPS]
 #
 # DEPS_DIR is what scripts/gather-gpu-deps.sh made on a Debian machine (headers the GPU machine
-# lacks, and the Fashion-MNIST data). STEPS (default "probe build test example") picks steps.
+# lacks, and the Fashion-MNIST data). STEPS (default "probe build test example speed zoo rest") picks
+# steps. The device time a session gets is short (15 minutes, its start included), so:
+#   TARGETS="test_cuda fashion_mnist ..."  build only these first (default: everything);
+#   DEADLINE=<seconds>                      every step stops by then, counted from the script's start;
+#   REPS=<n>                                repetitions of the speed comparisons (default 3);
+#   rest                                    builds everything else last, until the deadline: the
+#                                           compiler's warnings of the whole project there.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps=$(cd "$1" && pwd)
 out=$2
-steps=${3:-probe build test example speed}
+steps=${3:-probe build test example speed zoo rest}
+started=$SECONDS
+deadline=${DEADLINE:-100000}
+reps=${REPS:-3}
+# What is left of the deadline, at most $1 seconds (a step's own cap), at least 1.
+left() { local l=$((deadline - (SECONDS - started))); ((l > $1)) && l=$1; ((l < 1)) && l=1; echo "$l"; }
 mkdir -p "$out"
 build=${BUILD_DIR:-/tmp/trainloop-gpu-build}
 python=${PYTHON:-python3}
@@ -50,32 +61,42 @@ timer=(); [[ -x /usr/bin/time ]] && timer=(/usr/bin/time -v)
 
 if has build; then
   {
-    cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    timeout "$(left 180)" cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       "-DCMAKE_PREFIX_PATH=$torch_prefix;$deps/prefix" $gloo_include \
       -DZLIB_INCLUDE_DIR="$deps/prefix/include" ${zlib_library:+-DZLIB_LIBRARY=$zlib_library} -DCMAKE_CUDA_ARCHITECTURES=90 &&
-    cmake --build "$build" -j "$(nproc)" -- -k 0
+    timeout "$(left 100000)" cmake --build "$build" -j "$(nproc)" ${TARGETS:+--target $TARGETS} -- -k 0
   } > "$out/build.log" 2>&1
-  echo "build exit $?" >> "$out/build.log"
+  echo "build exit $? after $((SECONDS - started)) s" >> "$out/build.log"
 fi
 
 export TRAINLOOP_FASHION_MNIST_DIR=$deps/data  # the Debian package is not installed there
 if has test; then
-  (cd "$build" && ctest --output-on-failure -j 4 --timeout 600) > "$out/test.log" 2>&1
-  echo "ctest exit $?" >> "$out/test.log"
+  {
+    # test_cuda first and on its own, with its measured differences printed (--log_level=message).
+    if [[ -x $build/tests/test_cuda ]]; then
+      timeout "$(left 300)" "$build/tests/test_cuda" --log_level=message
+      echo "test_cuda exit $?"
+    fi
+    if [[ -z ${TARGETS:-} ]]; then
+      (cd "$build" && timeout "$(left 100000)" ctest --output-on-failure -j 4 --timeout 600)
+      echo "ctest exit $?"
+    fi
+  } > "$out/test.log" 2>&1
   # A crash in a test: where (the machine has cuda-gdb, which debugs host code too, but no gdb).
   if grep -q "memory access violation\|Segmentation fault" "$out/test.log" && command -v cuda-gdb > /dev/null; then
-    for t in unit_data_and_checkpoints test_launcher; do
-      timeout 120 cuda-gdb -batch -ex run -ex bt --args "$build/tests/$t" >> "$out/test.log" 2>&1
-    done
+    timeout "$(left 120)" cuda-gdb -batch -ex run -ex bt --args "$build/tests/test_cuda" >> "$out/test.log" 2>&1
   fi
 fi
 
 if has example; then
-  for mode in single dp ddp; do
-    "${timer[@]}" "$build/examples/fashion_mnist" --gpu-mode "$mode" --device cuda:0 --epochs 2 \
-      --data "$deps/data" --workers 2 > "$out/example-$mode.log" 2>&1
-    echo "exit $?" >> "$out/example-$mode.log"
-  done
+  # Every mode on cuda:0 (ddp and fsdp: one NCCL rank), and bf16: the test accuracy of each.
+  for run in "single" "dp" "ddp --procs 1" "fsdp --procs 1" "ddp --procs 1 --sharding optimizer" "single --precision bf16"; do
+    echo "== fashion_mnist --gpu-mode $run"
+    # shellcheck disable=SC2086
+    timeout "$(left 120)" "${timer[@]}" "$build/examples/fashion_mnist" --gpu-mode $run --device cuda:0 \
+      --epochs "${EPOCHS:-2}" --data "$deps/data" --workers 2 --progress epochs 2>&1 | grep -v "^\s*$" | tail -25
+    echo "exit ${PIPESTATUS[0]}"
+  done > "$out/example.log" 2>&1
 fi
 
 if has speed; then
@@ -83,15 +104,36 @@ if has speed; then
   # loop and by TrainLoop in every mode (compare_modes) and by the same loop in Python PyTorch,
   # alternated repetition by repetition.
   {
-    for rep in 1 2 3; do
-      "$build/benchmarks/compare_modes" --workload mlp --mlp-width 4096 --mlp-layers 4 --samples 65536 \
+    for ((rep = 1; rep <= reps; rep++)); do
+      timeout "$(left 120)" "$build/benchmarks/compare_modes" --workload mlp --mlp-width 4096 --mlp-layers 4 --samples 65536 \
         --batch-size 512 --device cuda:0 --replicas 1 --procs 1 --repetitions 1 --modes hand,single,dp,ddp \
         --csv "/tmp/compare_modes_mlp_$rep.csv"
-      "$python" "$repo/benchmarks/mlp_pytorch.py" --device cuda:0 --width 4096 --layers 4 --samples 65536 \
+      timeout "$(left 120)" "$python" "$repo/benchmarks/mlp_pytorch.py" --device cuda:0 --width 4096 --layers 4 --samples 65536 \
         --batch-size 512 --repetitions 1
     done
-    "$build/benchmarks/compare_modes" --workload cnn --samples 12800 --batch-size 64 --device cuda:0 \
-      --replicas 1 --procs 1 --repetitions 3 --modes hand,single,dp,ddp --data "$deps/data" --csv /tmp/compare_modes_cnn.csv
+    timeout "$(left 180)" "$build/benchmarks/compare_modes" --workload cnn --samples 12800 --batch-size 64 --device cuda:0 \
+      --replicas 1 --procs 1 --repetitions "$reps" --modes hand,single,dp,ddp --data "$deps/data" --csv /tmp/compare_modes_cnn.csv
   } > "$out/speed.log" 2>&1
   echo "speed exit $?" >> "$out/speed.log"
+fi
+
+if has zoo; then
+  # GPU checklist item 6: resnet50 at 224 px, bf16 autocast, channels-last, batch 128, 20 steps per
+  # epoch (epoch 1 warm-up): trainloop (the zoo's resnet50) and Python (torchvision's) alternated.
+  {
+    common=(--arch resnet50 --size 224 --batch-size 128 --steps 20 --epochs 2 --mode single --device cuda:0
+            --precision bf16 --memory-format channels-last)
+    for ((rep = 1; rep <= reps; rep++)); do
+      timeout "$(left 120)" "$build/benchmarks/zoo_vs_pytorch" "${common[@]}"
+      timeout "$(left 120)" "$python" "$repo/benchmarks/zoo_vs_pytorch.py" "${common[@]}"
+    done
+  } > "$out/zoo.log" 2>&1
+  echo "zoo exit $?" >> "$out/zoo.log"
+fi
+
+if has rest; then
+  # Everything not built yet, until the deadline: every warning the CUDA build of the project gives.
+  timeout "$(left 100000)" cmake --build "$build" -j "$(nproc)" -- -k 0 > "$out/rest.log" 2>&1
+  echo "rest exit $? after $((SECONDS - started)) s" >> "$out/rest.log"
+  grep -c "warning:" "$out/rest.log" >> "$out/rest.log"
 fi
