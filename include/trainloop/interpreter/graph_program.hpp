@@ -16,6 +16,7 @@
 /// interpreter/graph_step.hpp.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
 #include <trainloop/serialization/export/export_arguments.hpp>
 #include <trainloop/serialization/export/export_graph.hpp>
 #include <trainloop/interpreter/eval_mode_switch.hpp>
@@ -40,6 +41,7 @@
 #include <vector>
 
 namespace trainloop::serialization {
+TRAINLOOP_JSON_REFERENCES_BEGIN  // json_member's references: serialization/export/export_json.hpp
 
 /// @brief A compiled program; see the file comment. Immutable once made, so replicas on several
 /// threads share one.
@@ -340,4 +342,5 @@ class GraphProgram {
   size_t mode_dependent_ = 0, flags_on_ = 0, flags_off_ = 0;
 };
 
+TRAINLOOP_JSON_REFERENCES_END
 }  // namespace trainloop::serialization

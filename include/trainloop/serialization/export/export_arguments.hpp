@@ -7,6 +7,7 @@
 /// 1000 (nor handed to a kernel that would read it as something else).
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
 #include <trainloop/serialization/export/pt2_archive.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
@@ -22,6 +23,7 @@
 #include <vector>
 
 namespace trainloop::serialization {
+TRAINLOOP_JSON_REFERENCES_BEGIN  // json_member's references: serialization/export/export_json.hpp
 
 /// @brief How one argument of a call is made at run time.
 struct ArgumentRecipe {
@@ -316,4 +318,5 @@ inline c10::IValue make_argument(const ArgumentRecipe& recipe, const std::vector
   return {};
 }
 
+TRAINLOOP_JSON_REFERENCES_END
 }  // namespace trainloop::serialization

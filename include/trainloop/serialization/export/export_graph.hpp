@@ -12,6 +12,7 @@
 /// field missing, of the wrong type, a name used twice, are errors naming the program and node.
 
 #include <trainloop/error.hpp>
+#include <trainloop/serialization/export/export_json.hpp>
 #include <trainloop/serialization/export/pt2_archive.hpp>
 #include <trainloop/serialization/quoted.hpp>
 
@@ -30,6 +31,7 @@
 #include <vector>
 
 namespace trainloop::serialization {
+TRAINLOOP_JSON_REFERENCES_BEGIN  // json_member's references: serialization/export/export_json.hpp
 
 /// The export schema's major version this reader reads (torch 2.11 writes 8.17, 2.15 8.20).
 inline constexpr int64_t kExportSchemaMajor = 8;
@@ -315,4 +317,5 @@ inline ExportGraph read_export_graph(const Pt2Archive& archive, const std::strin
   return graph;
 }
 
+TRAINLOOP_JSON_REFERENCES_END
 }  // namespace trainloop::serialization

@@ -19,6 +19,20 @@
 #include <string_view>
 #include <utility>
 
+// GCC 13 and later warn (-Wdangling-reference, part of -Wall) at every
+// `const auto& member = json_member(document, "key", where + "...")`: the heuristic takes the result
+// for a reference into the temporary message string (GCC bug 107532), while json_member returns a
+// reference into `document`, which outlives it. Seen on the GPU machine's GCC 13.3 (2026-11-29: 12
+// warnings); the headers that bind such references put their code between these two.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
+#define TRAINLOOP_JSON_REFERENCES_BEGIN \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wdangling-reference\"")
+#define TRAINLOOP_JSON_REFERENCES_END _Pragma("GCC diagnostic pop")
+#else
+#define TRAINLOOP_JSON_REFERENCES_BEGIN
+#define TRAINLOOP_JSON_REFERENCES_END
+#endif
+
 namespace trainloop::serialization {
 
 /// @brief How much memory parse_untrusted_json() lets a document's nlohmann::json take: this many

@@ -38,6 +38,7 @@
 #include <vector>
 
 namespace trainloop::serialization {
+TRAINLOOP_JSON_REFERENCES_BEGIN  // json_member's references: serialization/export/export_json.hpp
 
 /// @brief Bounds on what a PT2 archive from a stranger may make the reader do.
 struct Pt2Limits {
@@ -331,4 +332,5 @@ class Pt2Archive {
   std::vector<std::string> programs_;
 };
 
+TRAINLOOP_JSON_REFERENCES_END
 }  // namespace trainloop::serialization
