@@ -19,6 +19,7 @@
 /// learns it at the same step and they agree without another collective.
 
 #include <trainloop/detail/format.hpp>
+#include <trainloop/distributed/comm/store_text.hpp>
 #include <trainloop/detail/process_identity.hpp>
 #include <trainloop/error.hpp>
 
@@ -89,11 +90,6 @@ inline std::string closed() { return "trainloop-elastic/join/closed"; }
 inline std::string grow(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/grow"; }
 }  // namespace join_keys
 
-namespace detail {
-inline std::string text_of(const std::vector<std::uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-inline std::vector<std::uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
-}  // namespace detail
-
 /// Rank 0's view of the queue (see the file comment).
 class JoinWatch {
  public:
@@ -149,7 +145,7 @@ class JoinWatch {
     const std::int64_t tickets = store.add(join_keys::tickets(), 0);
     for (std::int64_t ticket = next_; ticket < tickets; ++ticket) {
       if (!store.check({join_keys::who(ticket)})) break;
-      std::istringstream who(detail::text_of(store.get(join_keys::who(ticket))));
+      std::istringstream who(distributed::detail::store_text(store.get(join_keys::who(ticket))));
       JoinRequest request;
       request.ticket = ticket;
       who >> request.launcher_rank >> request.owner;
@@ -186,12 +182,12 @@ inline void write_admissions(::c10d::Store& store, int generation, int old_world
   for (std::size_t i = 0; i < joining.size(); ++i) {
     const std::string& hand_off = hand_offs[i];
     store.set(join_keys::admitted(joining[i].ticket),
-              detail::bytes_of(::trainloop::detail::concat(generation + 1, ' ', old_world + static_cast<int>(i), ' ',
+              distributed::detail::store_bytes(::trainloop::detail::concat(generation + 1, ' ', old_world + static_cast<int>(i), ' ',
                                                            old_world + static_cast<int>(joining.size()), ' ', step, ' ',
                                                            hand_off.empty() ? std::string("-") : hand_off)));
     decision << joining[i].ticket << ' ' << joining[i].launcher_rank << ' ' << joining[i].owner << ' ';
   }
-  store.set(join_keys::grow(generation), detail::bytes_of(decision.str()));
+  store.set(join_keys::grow(generation), distributed::detail::store_bytes(decision.str()));
 }
 
 /// On the other members: rank 0's decision for generation `generation` (waits up to `timeout`).
@@ -203,7 +199,7 @@ inline GrowDecision read_admissions(::c10d::Store& store, int generation, std::c
     throw CommunicationError(::trainloop::detail::concat("trainloop: rank 0's decision on the replacements joining did not "
                                                          "come within ", timeout.count(), " ms: ", error.what_without_backtrace()));
   }
-  std::istringstream decision(detail::text_of(store.get(join_keys::grow(generation))));
+  std::istringstream decision(distributed::detail::store_text(store.get(join_keys::grow(generation))));
   GrowDecision grow;
   int over_group = 0;
   decision >> over_group;
@@ -216,7 +212,7 @@ inline GrowDecision read_admissions(::c10d::Store& store, int generation, std::c
 inline std::int64_t ask_to_join(::c10d::Store& store, int launcher_rank) {
   const std::int64_t ticket = store.add(join_keys::tickets(), 1) - 1;
   const std::string who = ::trainloop::detail::concat(launcher_rank, ' ', ::trainloop::detail::own_owner_tag());
-  store.set(join_keys::who(ticket), detail::bytes_of(who));
+  store.set(join_keys::who(ticket), distributed::detail::store_bytes(who));
   return ticket;
 }
 
@@ -234,7 +230,7 @@ inline std::optional<Admission> wait_for_admission(::c10d::Store& store, std::in
       return std::nullopt;  // rank 0's process, which holds the store, ended: the job is over (or its launcher ends it)
     }
     if (admitted) {
-      std::istringstream answer(detail::text_of(store.get(join_keys::admitted(ticket))));
+      std::istringstream answer(distributed::detail::store_text(store.get(join_keys::admitted(ticket))));
       Admission admission;
       answer >> admission.generation >> admission.rank >> admission.world_size >> admission.step >> admission.hand_off;
       TRAINLOOP_CHECK(!answer.fail() && admission.world_size > admission.rank && admission.rank > 0,
@@ -248,6 +244,6 @@ inline std::optional<Admission> wait_for_admission(::c10d::Store& store, std::in
 }
 
 /// On rank 0 when its fit ended: replacements still waiting end.
-inline void close_admissions(::c10d::Store& store) { store.set(join_keys::closed(), detail::bytes_of("1")); }
+inline void close_admissions(::c10d::Store& store) { store.set(join_keys::closed(), distributed::detail::store_bytes("1")); }
 
 }  // namespace trainloop::distributed::elastic

@@ -19,6 +19,7 @@
 /// another machine, when `wait_for_remote` has passed without a word from it.
 
 #include <trainloop/detail/format.hpp>
+#include <trainloop/distributed/comm/store_text.hpp>
 #include <trainloop/detail/process_identity.hpp>
 #include <trainloop/error.hpp>
 
@@ -75,8 +76,6 @@ class GenerationKeys {
 
 namespace detail {
 
-inline std::string store_text(const std::vector<std::uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-inline std::vector<std::uint8_t> store_bytes(const std::string& text) { return {text.begin(), text.end()}; }
 
 /// A zombie (ended, not yet reaped by its parent) counts as gone: process_alive() sees its /proc entry.
 inline bool process_is_zombie(long pid) {
@@ -135,12 +134,12 @@ inline Membership decode(const std::string& text) {
 
 /// Writes this process's owner tag for `rank` of generation `generation`'s group.
 inline void publish_identity(::c10d::Store& store, const GenerationKeys& keys, int rank) {
-  store.set(keys.who(rank), detail::store_bytes(::trainloop::detail::own_owner_tag()));
+  store.set(keys.who(rank), distributed::detail::store_bytes(::trainloop::detail::own_owner_tag()));
 }
 
 /// Asks every wait of this generation's group to give up (a collective failed here).
 inline void request_abandon(::c10d::Store& store, const GenerationKeys& keys) {
-  store.set(keys.abandon(), detail::store_bytes("1"));
+  store.set(keys.abandon(), distributed::detail::store_bytes("1"));
 }
 
 /// Whether a survivor asked this generation's waits to give up (one store lookup).
@@ -150,7 +149,7 @@ inline bool abandon_requested(::c10d::Store& store, const GenerationKeys& keys) 
 
 /// Reports this rank as alive, with the last step it committed (-1: none in this fit).
 inline void report_alive(::c10d::Store& store, const GenerationKeys& keys, int rank, std::int64_t committed_step) {
-  store.set(keys.alive(rank), detail::store_bytes(std::to_string(committed_step)));
+  store.set(keys.alive(rank), distributed::detail::store_bytes(std::to_string(committed_step)));
 }
 
 /// On old rank 0: waits until each of the `world` old ranks reported or is lost (see the file
@@ -166,10 +165,10 @@ Membership decide_membership(::c10d::Store& store, const GenerationKeys& keys, i
     for (int rank = 0; rank < world; ++rank) {
       if (reported.count(rank) || lost.count(rank)) continue;
       if (store.check({keys.alive(rank)})) {
-        reported[rank] = std::stoll(detail::store_text(store.get(keys.alive(rank))));
+        reported[rank] = std::stoll(distributed::detail::store_text(store.get(keys.alive(rank))));
         continue;
       }
-      const std::string tag = store.check({keys.who(rank)}) ? detail::store_text(store.get(keys.who(rank))) : "";
+      const std::string tag = store.check({keys.who(rank)}) ? distributed::detail::store_text(store.get(keys.who(rank))) : "";
       const long pid = detail::pid_of_tag(tag);
       if (!tag.empty() && (::trainloop::detail::owner_tag_is_dead(tag) || detail::process_is_zombie(pid))) {
         lost[rank] = LostRank{rank, pid, explain(rank)};
@@ -193,7 +192,7 @@ Membership decide_membership(::c10d::Store& store, const GenerationKeys& keys, i
   m.oldest_step = m.committed_step;
   for (const auto& [rank, step] : reported) m.oldest_step = std::min(m.oldest_step, step);
   for (const auto& [rank, entry] : lost) m.lost.push_back(entry);
-  store.set(keys.decision(), detail::store_bytes(detail::encode(m)));
+  store.set(keys.decision(), distributed::detail::store_bytes(detail::encode(m)));
   return m;
 }
 
@@ -202,7 +201,7 @@ Membership decide_membership(::c10d::Store& store, const GenerationKeys& keys, i
 inline Membership read_membership(::c10d::Store& store, const GenerationKeys& keys, std::chrono::milliseconds timeout) {
   try {
     store.wait({keys.decision()}, timeout);
-    return detail::decode(detail::store_text(store.get(keys.decision())));
+    return detail::decode(distributed::detail::store_text(store.get(keys.decision())));
   } catch (const c10::Error& error) {
     throw CommunicationError(::trainloop::detail::concat(
         "trainloop: no decision on who goes on after a lost rank came from rank 0 within ", timeout.count(),

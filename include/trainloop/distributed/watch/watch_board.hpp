@@ -7,6 +7,7 @@
 /// collective's explainer can share it.
 
 #include <trainloop/distributed/comm/rendezvous.hpp>
+#include <trainloop/distributed/comm/store_text.hpp>
 #include <trainloop/distributed/watch/rank_record.hpp>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -44,7 +45,7 @@ class WatchBoard {
   void publish(const RankRecord& record) {
     const std::string text = record.to_text();
     std::lock_guard<std::mutex> lock(mutex_);
-    store_->set(key(record.rank), std::vector<uint8_t>(text.begin(), text.end()));
+    store_->set(key(record.rank), detail::store_bytes(text));
   }
   /// Rank `rank`'s last record, if it published one.
   std::optional<RankRecord> read(int rank) {
@@ -87,7 +88,7 @@ class WatchBoard {
   void leave_verdict(const WatchVerdict& verdict) {
     const std::string text = verdict.type + "\n" + verdict.headline;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (store_->add("verdicts", 1) == 1) store_->set("verdict", std::vector<uint8_t>(text.begin(), text.end()));
+    if (store_->add("verdicts", 1) == 1) store_->set("verdict", detail::store_bytes(text));
   }
 
  private:
@@ -95,8 +96,7 @@ class WatchBoard {
   std::optional<std::string> get_if_set(const std::string& name) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!store_->check({name})) return std::nullopt;
-    const std::vector<uint8_t> bytes = store_->get(name);
-    return std::string(bytes.begin(), bytes.end());
+    return detail::store_text(store_->get(name));
   }
 
   std::mutex mutex_;
