@@ -435,3 +435,97 @@ BOOST_AUTO_TEST_CASE(a_time_interval_writes_checkpoints_inside_epochs) {
   for (const auto& entry : fs::directory_iterator(dir.path)) written += entry.path().filename() != "last.ckpt";
   BOOST_TEST(written == 8);  // one per step
 }
+
+// ---- A gathered checkpoint written behind training (issue 53) ----------------------------------
+
+namespace {
+/// A model whose state with Adam's passes kGatheredBackgroundBytes (2.1 M parameters: 8.5 MB, 25 MB
+/// with both moments), so its gathered checkpoints go behind training; with batch normalisation,
+/// whose running statistics change in the very next forward, while the checkpoint's thread streams.
+struct WideNetImpl : torch::nn::Cloneable<WideNetImpl> {
+  WideNetImpl() { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 1024));
+    bn = register_module("bn", torch::nn::BatchNorm1d(1024));
+    fc2 = register_module("fc2", torch::nn::Linear(1024, 2048));
+    fc3 = register_module("fc3", torch::nn::Linear(2048, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(bn(fc1(x)))))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(WideNet);
+
+struct WideRun {
+  torch::Tensor state;  // parameters and buffers, flattened
+  std::vector<tl::CheckpointReport> reports;
+};
+
+/// `epochs` of WideNet with Adam in `mode`, a checkpoint every 2 steps in `dir` written behind
+/// training or not, resumed from `resume` when not empty.
+WideRun wide_run(tl::gpu_mode::Any mode, const fs::path& dir, bool behind, int64_t epochs, const std::string& resume,
+                 uint64_t init_seed = 1) {
+  torch::manual_seed(init_seed);
+  WideNet net;
+  torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-3));
+  tl::TrainLoop<WideNet, tl::gpu_mode::Any> loop(net, blobs(64, 1), blobs(16, 2), optimizer, torch::nn::CrossEntropyLoss(),
+                                                 tl::TrainLoopOptions().batch_size(8).seed(3), std::move(mode));
+  auto checkpoint = std::make_shared<tl::ModelCheckpoint>(
+      tl::ModelCheckpointOptions(dir).every_n_steps(2).keep_last(100).in_background(behind));
+  loop.fit(epochs, {checkpoint}, resume);
+  std::vector<torch::Tensor> all = net->parameters();
+  for (const auto& buffer : net->buffers()) all.push_back(buffer);
+  return {flat(all), checkpoint->reports()};
+}
+
+/// A gathered checkpoint's model (parameters and buffers) and Adam state, flattened: read back as
+/// any program reads them (torch::load for the weights; the optimizer's archive under trainloop's key).
+torch::Tensor model_and_optimizer_in(const fs::path& path) {
+  WideNet net;
+  torch::load(net, path.string());
+  torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-3));
+  torch::serialize::InputArchive archive, ours, state;
+  archive.load_from(path.string());
+  archive.read(tl::detail::kCheckpointKey, ours);
+  ours.read("optimizer", state);
+  optimizer.load(state);
+  std::vector<torch::Tensor> all = net->parameters();
+  for (const auto& buffer : net->buffers()) all.push_back(buffer);
+  return torch::cat({flat(all), optimizer_state(optimizer)});
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_gathered_checkpoint_written_behind_training_holds_the_foreground_ones_state_and_resumes_exactly) {
+  for (const std::string name : {"single", "dp"}) {
+    BOOST_TEST_CONTEXT(name) {
+      auto mode = [&] { return name == "dp" ? tl::gpu_mode::Any(tl::gpu_mode::DataParallel::cpu_replicas(2)) : tl::gpu_mode::Any(tl::gpu_mode::Single()); };
+      TempDir dir;
+      const WideRun waited = wide_run(mode(), dir.path / "foreground", false, 2, "");
+      const WideRun behind = wide_run(mode(), dir.path / "background", true, 2, "");
+      BOOST_TEST(torch::equal(behind.state, waited.state));
+      // 16 steps: every 2nd and each epoch's end (8, 16 again), every one committed.
+      BOOST_REQUIRE_EQUAL(behind.reports.size(), waited.reports.size());
+      BOOST_TEST(behind.reports.size() >= 8u);
+      for (size_t i = 0; i < behind.reports.size(); ++i) {
+        BOOST_TEST_CONTEXT(behind.reports[i].path.filename().string()) {
+          BOOST_TEST(!behind.reports[i].error);
+          BOOST_TEST(!waited.reports[i].background);
+          // The first checkpoint, at step 2, is written behind too: Adam's moments exist by then.
+          BOOST_TEST(behind.reports[i].background);
+          BOOST_TEST(behind.reports[i].path.filename() == waited.reports[i].path.filename());
+          // The same model and optimizer state, bit for bit (the file's History holds wall-clock
+          // times: no two runs' files are equal byte for byte, in either mode).
+          BOOST_TEST(fs::file_size(behind.reports[i].path) > uintmax_t{16} << 20);
+          BOOST_TEST(torch::equal(model_and_optimizer_in(behind.reports[i].path), model_and_optimizer_in(waited.reports[i].path)));
+        }
+      }
+      for (const auto& entry : fs::directory_iterator(dir.path / "background")) {
+        BOOST_TEST(!tl::detail::is_temporary_name(entry.path().filename().string()), entry.path());
+      }
+      // A resume from a checkpoint written behind training ends as the uninterrupted run.
+      wide_run(mode(), dir.path / "resumed", true, 1, "");
+      const WideRun resumed = wide_run(mode(), dir.path / "resumed", true, 1, "last", 9);
+      BOOST_TEST(torch::equal(resumed.state, waited.state));
+    }
+  }
+}

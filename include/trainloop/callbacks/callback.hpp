@@ -89,7 +89,7 @@ class WholeWeightsScope {
 struct CheckpointReport {
   std::filesystem::path path;  ///< the checkpoint
   std::exception_ptr error;    ///< why it was not written (every rank has one then); null: it is committed
-  bool background = false;     ///< written behind training (a per-rank checkpoint), not while training waited
+  bool background = false;     ///< written behind training (per-rank, or gathered and large), not while training waited
   /// Seconds the training thread waited because of it: the capture at its step, the next
   /// optimizer step's wait for the copy, a later checkpoint's wait for this one, the agreement.
   double blocked_seconds = 0.0;

@@ -91,39 +91,58 @@ struct BackgroundWriteSetup {
   std::string mailbox_key;          ///< unique per checkpoint: rank r posts under `<key>/<r>`
 };
 
+/// @brief A checkpoint being written by a thread of its own, as the loop sees it
+/// (loop/background_checkpoint_io.hpp): this rank's part of a per-rank checkpoint
+/// (BackgroundCheckpointWrite) or a gathered checkpoint's file (BackgroundGatheredWrite).
+class BackgroundWrite {
+ public:
+  virtual ~BackgroundWrite() = default;
+  /// Blocks until the thread no longer reads the state training changes (before the next
+  /// optimizer step). Returns at once after that, and after a failure.
+  virtual void wait_copied() = 0;
+  /// Rank 0: whether the checkpoint is committed or given up. Other ranks: whether their part is done.
+  virtual bool finished() const = 0;
+  /// Blocks until finished() (no collective).
+  virtual void wait_finished() = 0;
+  /// Waits for the thread; returns this rank's error, null when its part succeeded.
+  virtual std::exception_ptr join() = 0;
+  /// Ends the thread without committing (fit() failed). No collective.
+  virtual void cancel() = 0;
+};
+
 /// @brief This rank's part of a checkpoint written by a thread of its own (see the file comment).
-class BackgroundCheckpointWrite {
+class BackgroundCheckpointWrite : public BackgroundWrite {
  public:
   /// Starts the thread. `capture` was planned for this checkpoint and outlives the write.
   BackgroundCheckpointWrite(BackgroundWriteSetup setup, ShareCapture& capture, CheckpointMailbox mailbox)
       : setup_(std::move(setup)), capture_(capture), mailbox_(std::move(mailbox)), thread_([this] { run(); }) {}
   BackgroundCheckpointWrite(const BackgroundCheckpointWrite&) = delete;
   BackgroundCheckpointWrite& operator=(const BackgroundCheckpointWrite&) = delete;
-  ~BackgroundCheckpointWrite() { cancel(); }
+  ~BackgroundCheckpointWrite() override { cancel(); }
 
   /// Blocks until the state is copied into the host buffers (the training thread, before its next
   /// optimizer step). Returns at once after that, and after a failure.
-  void wait_copied() {
+  void wait_copied() override {
     std::unique_lock<std::mutex> lock(mutex_);
     copied_changed_.wait(lock, [this] { return copied_; });
   }
   /// Rank 0: whether every rank's file is in and the checkpoint committed or given up (then
   /// join() returns at once). Other ranks: whether this rank's part is posted.
-  bool finished() const { return finished_.load(); }
+  bool finished() const override { return finished_.load(); }
   /// Blocks until finished() (no collective).
-  void wait_finished() {
+  void wait_finished() override {
     std::unique_lock<std::mutex> lock(mutex_);
     copied_changed_.wait(lock, [this] { return finished_.load(); });
   }
   /// Waits for the thread; returns this rank's error, null when its part is written (rank 0: the
   /// checkpoint committed; its error names any rank that failed).
-  std::exception_ptr join() {
+  std::exception_ptr join() override {
     if (thread_.joinable()) thread_.join();
     return error_;
   }
   /// Stops waiting for the others and ends the thread without committing (fit() failed); rank 0
   /// removes the temporary directory. No collective.
-  void cancel() {
+  void cancel() override {
     cancelled_.store(true);
     if (thread_.joinable()) thread_.join();
   }

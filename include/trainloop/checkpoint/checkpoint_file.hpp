@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -88,21 +89,20 @@ inline void write_progress(torch::serialize::OutputArchive& archive, const Train
   if (p.grad_scaler_state.defined()) archive.write("grad_scaler", p.grad_scaler_state);
 }
 
-/// Writes a checkpoint to `path` atomically. `optimizer` is the optimizer's state as the engine
-/// saved it (libtorch's format for every built-in mode; engine/optional_members.hpp);
-/// `rng_per_rank[r]` is rank r's capture_rng_state().
-/// @throws trainloop::CheckpointError naming `path` and the system's reason when it cannot be
-///         written (disk full, read-only), or a name its code cannot carry (code_safe_names.hpp);
-///         no partial file is left and an earlier one is unchanged.
-inline void write_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
-                             torch::serialize::OutputArchive& optimizer, const TrainingProgress& progress,
-                             const KeyedStates& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
-                             const CheckpointHeader& header) {
+/// The archive a checkpoint file holds (the file comment's layout): the model as `save_model` writes
+/// it into the top level (Module::save, or checkpoint/module_snapshot.hpp's copy of it), the rest
+/// under `__trainloop__`. The archive refers to the tensors it was given; each callback's state is
+/// taken now.
+/// @throws trainloop::CheckpointError when a name cannot be stored (code_safe_names.hpp).
+inline torch::serialize::OutputArchive checkpoint_archive(
+    const torch::nn::Module& model, const std::function<void(torch::serialize::OutputArchive&)>& save_model,
+    torch::serialize::OutputArchive& optimizer, const TrainingProgress& progress, const KeyedStates& callbacks,
+    const std::vector<torch::Tensor>& rng_per_rank, const CheckpointHeader& header, const std::filesystem::path& path) {
   std::vector<std::string> keys;
   for (const auto& entry : callbacks) keys.push_back(entry.first);
   check_names_fit_checkpoint_code(model, keys, path);
   torch::serialize::OutputArchive archive;
-  model.save(archive);
+  save_model(archive);
   torch::serialize::OutputArchive ours;
   write_int(ours, "format_version", kCheckpointFormatVersion);
   write_text(ours, "trainloop_version", header.trainloop_version);
@@ -125,7 +125,14 @@ inline void write_checkpoint(const std::filesystem::path& path, const torch::nn:
   for (size_t r = 0; r < rng_per_rank.size(); ++r) rng_archive.write("rank" + std::to_string(r), rng_per_rank[r]);
   ours.write("rng", rng_archive);
   archive.write(kCheckpointKey, ours);
+  return archive;
+}
 
+/// Writes `archive` to `path` atomically: streamed into a temporary file next to it, then fsynced
+/// and renamed. `streamed` (when given) runs once every tensor's bytes are in the temporary file —
+/// from then on the archive's tensors may change (a checkpoint written behind training).
+inline void save_checkpoint_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path,
+                                    const std::function<void()>& streamed = {}) {
   // Streamed through a writer trainloop checks itself (see BasicAtomicFile::writer): a full disk
   // is a CheckpointError naming the file and the system's reason, not an abort inside libtorch.
   BasicAtomicFile<CheckpointError> file(path, "the checkpoint");
@@ -136,7 +143,23 @@ inline void write_checkpoint(const std::filesystem::path& path, const torch::nn:
                                                   error.what_without_backtrace(), "; expected a writable directory with "
                                                   "free space (the previous checkpoint is unchanged)")));
   }
+  if (streamed) streamed();
   file.commit();
+}
+
+/// Writes a checkpoint to `path` atomically. `optimizer` is the optimizer's state as the engine
+/// saved it (libtorch's format for every built-in mode; engine/optional_members.hpp);
+/// `rng_per_rank[r]` is rank r's capture_rng_state().
+/// @throws trainloop::CheckpointError naming `path` and the system's reason when it cannot be
+///         written (disk full, read-only), or a name its code cannot carry (code_safe_names.hpp);
+///         no partial file is left and an earlier one is unchanged.
+inline void write_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
+                             torch::serialize::OutputArchive& optimizer, const TrainingProgress& progress,
+                             const KeyedStates& callbacks, const std::vector<torch::Tensor>& rng_per_rank,
+                             const CheckpointHeader& header) {
+  auto archive = checkpoint_archive(model, [&model](torch::serialize::OutputArchive& into) { model.save(into); },
+                                    optimizer, progress, callbacks, rng_per_rank, header, path);
+  save_checkpoint_archive(archive, path);
 }
 
 }  // namespace detail

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// @brief Per-rank checkpoints written behind training (TrainState::start_checkpoint): the loop's
-/// side of checkpoint/background_write.hpp. At the checkpoint's step, on the training thread, in
+/// @brief Checkpoints written behind training (TrainState::start_checkpoint): the loop's side of
+/// checkpoint/background_write.hpp (per-rank checkpoints) and background_gathered_write.hpp (a
+/// gathered one, from a state of kGatheredBackgroundBytes up: loop/checkpoint_io.hpp). At the checkpoint's step, on the training thread, in
 /// what every rank does alike: rank 0 makes the temporary directory (a small collective, as the
 /// foreground write) and writes the loop's state into it (`trainloop.pt`, kilobytes), every rank
 /// plans its capture; then its thread copies and writes while training goes on. The training
@@ -18,6 +19,7 @@
 /// ("checkpoint_stall").
 
 #include <trainloop/callbacks/callback.hpp>
+#include <trainloop/checkpoint/background_gathered_write.hpp>
 #include <trainloop/checkpoint/background_write.hpp>
 #include <trainloop/checkpoint/share_capture.hpp>
 #include <trainloop/detail/stopwatch.hpp>
@@ -41,7 +43,7 @@
 
 namespace trainloop::detail {
 
-/// The per-rank checkpoint in flight, if any, and the host buffers every one reuses.
+/// The checkpoint in flight, if any, and the host buffers every per-rank one reuses.
 class BackgroundCheckpoints {
  public:
   /// Whether a checkpoint is being written.
@@ -91,6 +93,36 @@ class BackgroundCheckpoints {
                                    "checkpoints are unchanged"));
     }
     temporary.armed = false;  // the writer's now: committed or removed by its thread
+    done_ = std::move(done);
+    report_ = CheckpointReport{path, nullptr, true, 0.0, 0.0};
+    since_start_ = Stopwatch();
+    report_.blocked_seconds = clock.seconds();
+  }
+
+  /// Starts a gathered checkpoint (one file, written by the rank that `writes`: rank 0) behind
+  /// training: `snapshot()` builds its archive now on that rank (checkpoint/background_gathered_write.hpp).
+  /// A collective: every rank learns whether the start worked.
+  /// @throws trainloop::CheckpointError on every rank when it did not (nothing is written then).
+  template <ModeEngine Engine>
+  void start_gathered(Engine& engine, const std::function<torch::serialize::OutputArchive()>& snapshot,
+                      const std::filesystem::path& path, int64_t step, bool writes,
+                      std::function<void(const CheckpointReport&)> done) {
+    make_room(engine);
+    Stopwatch clock;
+    std::exception_ptr failure;
+    try {
+      write_ = std::make_unique<BackgroundGatheredWrite>(writes ? snapshot() : torch::serialize::OutputArchive(), path,
+                                                         step, writes);
+    } catch (...) {
+      failure = checkpoint_failure(path);
+    }
+    if (engine.any_rank(failure != nullptr)) {
+      write_.reset();
+      if (failure) std::rethrow_exception(failure);
+      throw CheckpointError(concat("trainloop: another rank could not start writing the checkpoint ", path.string(),
+                                   " (its error names the cause); nothing was written, the previous checkpoints are "
+                                   "unchanged"));
+    }
     done_ = std::move(done);
     report_ = CheckpointReport{path, nullptr, true, 0.0, 0.0};
     since_start_ = Stopwatch();
@@ -164,7 +196,7 @@ class BackgroundCheckpoints {
     const bool failed = engine.any_rank(error != nullptr);
     if (failed && !error) {
       error = std::make_exception_ptr(CheckpointError(concat(
-          "trainloop: another rank could not write its share of the checkpoint ", report_.path.string(),
+          "trainloop: another rank could not write its part of the checkpoint ", report_.path.string(),
           " (its error names the cause); nothing was committed, the previous checkpoints are unchanged")));
     }
     CheckpointReport report = report_;
@@ -177,7 +209,7 @@ class BackgroundCheckpoints {
   }
 
   ShareCapture capture_;  // before write_: the writer's thread reads it until it ends
-  std::unique_ptr<BackgroundCheckpointWrite> write_;
+  std::unique_ptr<BackgroundWrite> write_;  // BackgroundCheckpointWrite or BackgroundGatheredWrite
   std::function<void(const CheckpointReport&)> done_;
   CheckpointReport report_;
   Stopwatch since_start_;

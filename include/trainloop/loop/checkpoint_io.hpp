@@ -14,6 +14,7 @@
 #include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/checkpoint/checkpoint_reader.hpp>
 #include <trainloop/checkpoint/loop_checkpoint.hpp>
+#include <trainloop/checkpoint/module_snapshot.hpp>
 #include <trainloop/checkpoint/restore.hpp>
 #include <trainloop/checkpoint/rng_state.hpp>
 #include <trainloop/checkpoint/stateful.hpp>
@@ -27,6 +28,7 @@
 #include <trainloop/engine/step_commit.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/nn/memory_format.hpp>
+#include <trainloop/optim/optimizer_state_bytes.hpp>
 #include <trainloop/options.hpp>
 #include <trainloop/loop/background_checkpoint_io.hpp>
 #include <trainloop/loop/sharded_checkpoint_io.hpp>
@@ -46,6 +48,13 @@
 #include <vector>
 
 namespace trainloop::detail {
+
+/// A gathered checkpoint (the replicated modes' one file) of a model and optimizer state this size
+/// or more is written behind training; a smaller one now. The example's 5 MB checkpoint takes
+/// 6.5 ms to write (detail/atomic_file.hpp): below 16 MiB, a thread and one small agreement per step
+/// until it commits would not pay. The ~100 M-parameter MLP's 1.2 GB: benchmarks/README.md
+/// ("checkpoint_stall", --level none).
+inline constexpr int64_t kGatheredBackgroundBytes = int64_t{16} << 20;
 
 /// What a run is: the mode's name and the version stamped into checkpoints.
 struct RunIdentity {
@@ -88,7 +97,8 @@ class CheckpointIO {
   }
 
   /// Starts a checkpoint of the loop as it stands (TrainState::start_checkpoint): a per-rank one
-  /// is written behind training (loop/background_checkpoint_io.hpp), any other now. A collective.
+  /// is written behind training (loop/background_checkpoint_io.hpp), and so is a gathered one of
+  /// kGatheredBackgroundBytes or more (replicated modes: rank 0's file); any other now. A collective.
   template <ModeEngine Engine>
   void start(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
              const MetricAccumulator* epoch_sums, std::function<void(const CheckpointReport&)> done) {
@@ -96,10 +106,16 @@ class CheckpointIO {
     Stopwatch clock;
     background_.make_room(engine);  // its report first; checkpoints commit in order
     const Moment moment = this_moment(engine, epoch_sums);
-    if (writes_per_rank(engine, writes) && (engine.world_size() == 1 || checkpoint_mailbox(engine))) {
+    const bool per_rank = writes_per_rank(engine, writes);
+    const bool per_rank_behind = per_rank && (engine.world_size() == 1 || checkpoint_mailbox(engine));
+    if (per_rank_behind || (!per_rank && gathered_behind_training(engine, path, writes))) {
       try {
-        background_.start(engine, module_, optimizer_, path, progress_.global_step, loop_state_writer(callbacks, moment),
-                          done);
+        if (per_rank_behind) {
+          background_.start(engine, module_, optimizer_, path, progress_.global_step, loop_state_writer(callbacks, moment),
+                            done);
+        } else {
+          start_gathered(engine, callbacks, path, writes, moment, done);
+        }
       } catch (const Error&) {  // agreed: every rank could not start it (stop_on_error decides)
         done(CheckpointReport{path, std::current_exception(), true, clock.seconds(), clock.seconds()});
       }
@@ -107,7 +123,7 @@ class CheckpointIO {
     }
     CheckpointReport report{path, nullptr, false, 0.0, 0.0};
     try {
-      if (writes_per_rank(engine, writes)) {
+      if (per_rank) {
         save_sharded_checkpoint(engine, module_, optimizer_, path, loop_state_writer(callbacks, moment));
       } else {
         save_gathered(engine, callbacks, path, writes, moment);
@@ -202,6 +218,45 @@ class CheckpointIO {
                               }
                               write_checkpoint(path, module_, optimizer_state, snapshot, callbacks, rng, header);
                             });
+  }
+
+  /// Whether a gathered checkpoint goes behind training (the same answer on every rank): the whole
+  /// state holds kGatheredBackgroundBytes or more, rank 0 alone writes, and the file needs nothing
+  /// done to the model first (channels-last weights are written contiguous; a per-rank checkpoint of
+  /// the same name is replaced by the file) — those are written now.
+  template <ModeEngine Engine>
+  bool gathered_behind_training(Engine& engine, const std::filesystem::path& path, bool writes) {
+    if (model_bytes() < kGatheredBackgroundBytes &&
+        model_bytes() + optimizer_state_bytes(optimizer_) < kGatheredBackgroundBytes) {
+      return false;
+    }
+    if (nn::uses_channels_last(options_.memory_format(), module_)) return false;
+    const bool here_not = writes && (engine.rank() != 0 || is_sharded_checkpoint(path));
+    return !(engine.world_size() > 1 ? engine.any_rank(here_not) : here_not);
+  }
+  /// Bytes of the model's parameters and buffers on this rank.
+  int64_t model_bytes() const {
+    int64_t bytes = 0;
+    for (const auto& tensor : module_.parameters()) bytes += static_cast<int64_t>(tensor.nbytes());
+    for (const auto& tensor : module_.buffers()) bytes += tensor.defined() ? static_cast<int64_t>(tensor.nbytes()) : 0;
+    return bytes;
+  }
+  /// The gathered checkpoint of `moment` started behind training: the optimizer's state as the
+  /// engine saves it (a collective for a sharded engine), then rank 0's archive of views and copies
+  /// (checkpoint/module_snapshot.hpp) for its thread to stream.
+  template <ModeEngine Engine>
+  void start_gathered(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
+                      const Moment& moment, std::function<void(const CheckpointReport&)> done) {
+    unshard_parameters(engine);
+    torch::serialize::OutputArchive optimizer_state;
+    save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
+    background_.start_gathered(
+        engine,
+        [&] {
+          return checkpoint_archive(module_, [this](torch::serialize::OutputArchive& into) { save_module_snapshot(module_, into); },
+                                    optimizer_state, moment.progress, callbacks, moment.rng, moment.header, path);
+        },
+        path, progress_.global_step, writes, std::move(done));
   }
 
  public:
