@@ -8,8 +8,8 @@
 //                    [--checkpoints 0|1] [--background 0|1]
 //
 // Levels: none is plain DDP (rank 0 writes one file), optimizer DDP's ZeRO-1, gradients and full
-// fsdp's ZeRO-2 and ZeRO-3; the sharded levels write per-rank checkpoints, behind training unless
-// --background 0. The checkpoints are left in D/checkpoints (keep_last 1). Output, one line from
+// fsdp's ZeRO-2 and ZeRO-3; the sharded levels write per-rank checkpoints; each is written behind
+// training unless --background 0 (none's one file too, since 2026-11-29: it is over 16 MiB). The checkpoints are left in D/checkpoints (keep_last 1). Output, one line from
 // the launching process:
 //   checkpoint_stall level=L checkpoints=C background=B steps=N every=K step_s=<median step time>
 //   mean_step_s=<mean> blocking_ms=<median per checkpoint> blocking_min_ms= blocking_max_ms=
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "optimizer steps of the job");
   app.add_option("--dir", dir, "work directory (the logs; the checkpoints in <dir>/checkpoints); emptied first");
   app.add_option("--checkpoints", checkpoints_flag, "1: a ModelCheckpoint every K steps; 0: none (the baseline)");
-  app.add_option("--background", background, "1: per-rank checkpoints behind training (the default); 0: training waits");
+  app.add_option("--background", background, "1: checkpoints behind training (the default); 0: training waits");
   app.add_option("--ranks", ranks, "CPU ranks");
   app.add_option("--layers", layers, "hidden width x width layers (6 x 4096: 100.7 M parameters)");
   app.add_option("--width", width, "layer width");

@@ -176,6 +176,19 @@ void write_eval(std::ofstream& out, const std::string& name, const tl::EvalResul
 
 }  // namespace
 
+/// Rank 0, at the end of the fit: per checkpoint, "<written behind training> <failed>" (test_sharded_checkpoint).
+struct CheckpointReportsLog : tl::Callback {
+  CheckpointReportsLog(std::string directory, std::shared_ptr<tl::ModelCheckpoint> watched)
+      : dir(std::move(directory)), checkpoints(std::move(watched)) {}
+  bool main_process_only() const override { return true; }
+  void on_fit_end(tl::TrainState&, const tl::History&) override {
+    std::ofstream out(dir + "/reports.txt");
+    for (const tl::CheckpointReport& report : checkpoints->reports()) out << report.background << ' ' << (report.error ? 1 : 0) << '\n';
+  }
+  std::string dir;
+  std::shared_ptr<tl::ModelCheckpoint> checkpoints;
+};
+
 int main(int argc, char** argv) {
   if (argc < 4) {
     std::cerr << "usage: ddp_worker <scenario> <world> <out-dir> [port]\n";
@@ -196,7 +209,7 @@ int main(int argc, char** argv) {
     // spawned ranks must still start from the caller's weights, which they load, not broadcast).
     const bool seed_by_rank = std::getenv("TL_TEST_SEED_BY_RANK") != nullptr;
     torch::manual_seed(seed_by_rank ? 5 + 1000 * static_cast<uint64_t>(std::max(own_rank(), 0)) : 5);
-    Mlp net;
+    Mlp net(env_number("TL_TEST_HIDDEN", 16));  // 2048: a gathered checkpoint goes behind training
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     // TL_TEST_OPTIMIZER=adam: the main loop trains with Adam instead (ZeRO's tests: two moments per parameter).
     torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
@@ -246,11 +259,13 @@ int main(int argc, char** argv) {
       // Checkpoints, resume and restarts, driven by TL_TEST_* variables (ddp_test_support.hpp: run_ckpt).
       epochs = env_number("TL_TEST_EPOCHS", 2);
       options.shuffle(true);
-      callbacks.push_back(std::make_shared<tl::ModelCheckpoint>(
+      auto checkpointer = std::make_shared<tl::ModelCheckpoint>(
           tl::ModelCheckpointOptions(std::getenv("TL_TEST_CKPT_DIR"))
               .every_n_steps(env_number("TL_TEST_EVERY_STEPS", 0))
               .keep_last(0)
-              .in_background(env_number("TL_TEST_BACKGROUND", 1) != 0)));  // 0: training waits (test_sharded_checkpoint)
+              .in_background(env_number("TL_TEST_BACKGROUND", 1) != 0));  // 0: training waits (test_sharded_checkpoint)
+      callbacks.push_back(checkpointer);
+      callbacks.push_back(std::make_shared<CheckpointReportsLog>(out_dir, checkpointer));
       if (const int64_t kill_at = env_number("TL_TEST_KILL_AT_STEP", 0)) callbacks.push_back(std::make_shared<KillRank1AtStep>(kill_at));
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";

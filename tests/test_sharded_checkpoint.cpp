@@ -324,3 +324,53 @@ BOOST_AUTO_TEST_CASE(a_rank_killed_while_its_checkpoint_is_written_behind_traini
   fs::remove_all(whole.dir);
   fs::remove_all(dir);
 }
+
+namespace {
+/// The worker's CheckpointReportsLog: per checkpoint, whether it went behind training and failed.
+std::vector<std::pair<int, int>> checkpoint_reports(const fs::path& run_dir) {
+  std::ifstream in(run_dir / "reports.txt");
+  std::vector<std::pair<int, int>> reports;
+  for (int background = 0, failed = 0; in >> background >> failed;) reports.emplace_back(background, failed);
+  return reports;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(plain_ddps_one_file_goes_behind_training_resumes_exactly_and_a_kill_in_its_write_leaves_the_previous_one) {
+  // Plain DDP (rank 0 writes one file), 2 ranks, Adam, a model over 16 MiB (hidden 2048: 4.2 M
+  // parameters), a checkpoint every 2 steps: behind training against training waiting for it.
+  const std::string settings = "TL_TEST_OPTIMIZER=adam TL_TEST_HIDDEN=2048 TL_TEST_EPOCHS=2 TL_TEST_EVERY_STEPS=2 ";
+  const fs::path dir = fresh_dir("gathered_background");
+  auto waited = run_ckpt("gathered_fg", dir / "foreground", settings + "TL_TEST_BACKGROUND=0");
+  auto behind = run_ckpt("gathered_bg", dir / "background", settings + "TL_TEST_BACKGROUND=1");
+  BOOST_REQUIRE_MESSAGE(waited.exit_code == 0, waited.output);
+  BOOST_REQUIRE_MESSAGE(behind.exit_code == 0, behind.output);
+  const auto behind_reports = checkpoint_reports(behind.dir), waited_reports = checkpoint_reports(waited.dir);
+  BOOST_TEST(behind_reports.size() == 6u);  // steps 2, 4, 6, 8, 10 and epoch 1's end (5)
+  BOOST_TEST(waited_reports.size() == behind_reports.size());
+  for (const auto& [background, failed] : behind_reports) BOOST_TEST((background == 1 && failed == 0));
+  for (const auto& [background, failed] : waited_reports) BOOST_TEST((background == 0 && failed == 0));
+  const std::vector<std::string> names = periodic_checkpoints(dir / "background");
+  BOOST_TEST(names == periodic_checkpoints(dir / "foreground"), boost::test_tools::per_element());
+  BOOST_TEST(torch::equal(load_params((behind.dir / "params.pt").string()), load_params((waited.dir / "params.pt").string())));
+  // A resume from the checkpoint of step 6 (inside epoch 2), written behind training, ends as the job
+  // that waited for every checkpoint.
+  BOOST_REQUIRE(names.size() > 3u);
+  auto resumed = run_ckpt("gathered_bg_resumed", dir / "resumed", settings + "TL_TEST_RESUME=" + (dir / "background" / names[3]).string());
+  BOOST_REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  BOOST_TEST(torch::equal(load_params((resumed.dir / "params.pt").string()), load_params((waited.dir / "params.pt").string())));
+  // Rank 0 killed in its writer thread once step 4's file is streamed, before its commit: the job
+  // ends named, step 2's checkpoint is whole and `last`, and the resume from it ends as the others.
+  const fs::path ckpts = dir / "killed";
+  auto killed = run_ckpt("gathered_killed", ckpts, settings + "TRAINLOOP_TEST_KILL_AT=0:4:background-write");
+  BOOST_TEST(killed.exit_code != 0);
+  BOOST_TEST(contains(killed.output, "RANK_FAILED rank=0"), killed.output);
+  BOOST_TEST(periodic_checkpoints(ckpts) == std::vector<std::string>{"epoch=0001-step=000002.ckpt"}, boost::test_tools::per_element());
+  BOOST_TEST(fs::canonical(ckpts / "last.ckpt").filename() == "epoch=0001-step=000002.ckpt");
+  auto after_kill = run_ckpt("gathered_after_kill", ckpts, settings + "TL_TEST_RESUME=last");
+  BOOST_REQUIRE_MESSAGE(after_kill.exit_code == 0, after_kill.output);
+  BOOST_TEST(torch::equal(load_params((after_kill.dir / "params.pt").string()), load_params((waited.dir / "params.pt").string())));
+  for (const fs::path& entry : fs::directory_iterator(ckpts)) BOOST_TEST(!tl::detail::is_temporary_name(entry.filename().string()));
+  BOOST_TEST(leftover_workers() == 0);
+  for (auto* run : {&waited, &behind, &resumed, &killed, &after_kill}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
