@@ -86,8 +86,8 @@ int main(int argc, char** argv) {
                  "write a checkpoint after every epoch into this directory, keeping the best by test accuracy");
   app.add_flag("--resume", resume, "continue from the newest checkpoint in --checkpoint-dir (if there is one)");
   app.add_flag("--async-checkpoint,!--no-async-checkpoint", async_checkpoint,
-               "sharded modes: write the per-rank checkpoints behind training (the default), or make training wait "
-               "for each (--no-async-checkpoint)");
+               "write checkpoints behind training (the default: sharded modes' per-rank ones, and one file of 16 MiB "
+               "or more), or make training wait for each (--no-async-checkpoint)");
   app.add_option("--tensorboard", tensorboard_dir, "write TensorBoard scalars (loss, metrics, learning rate) into this directory");
   app.add_option("--plot", plot_png, "draw the training curves into this PNG (and an SVG beside it) when training ends");
   app.add_option("--train-samples", train_samples, "train on the first N training images only (0: all 60000)")

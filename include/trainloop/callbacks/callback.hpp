@@ -195,8 +195,10 @@ struct TrainState {
   /// the end of fit(), which waits for it). A checkpoint started while the previous one is still
   /// being written waits for that one first (its `done` runs first); one started in on_fit_end
   /// is waited for after it, one started in on_fit_finally is dropped. Where the mode writes one
-  /// file (rank 0), it is written now and `done` runs before this returns. A collective, like
-  /// any_rank. `done` may throw (as a hook does); errors of the write arrive in its report.
+  /// file (rank 0), a state of 16 MiB or more is streamed into it by a thread of rank 0's (the next
+  /// optimizer step waits for the stream), a smaller one is written now and `done` runs before
+  /// this returns. A collective, like any_rank. `done` may throw (as a hook does); errors of the
+  /// write arrive in its report.
   std::function<void(const std::filesystem::path&, std::function<void(const CheckpointReport&)>)> start_checkpoint;
   /// Waits for a checkpoint start_checkpoint left being written and runs its `done` (before
   /// planning the next one; said once on the main process: checkpoints are then due faster than
