@@ -5,6 +5,7 @@ benchmarks/zoo_vs_pytorch.cpp; benchmarks/run_zoo_vs_pytorch.sh alternates both.
 
     /usr/bin/python3 benchmarks/zoo_vs_pytorch.py --arch resnet18 --size 64 --batch-size 32 --steps 20 --mode single
     python benchmarks/zoo_vs_pytorch.py --timm resnet18 ...   # timm's model, eager (the peer of --exported)
+    python benchmarks/zoo_vs_pytorch.py --compile ...         # the model through torch.compile (epoch 1 compiles)
 
 Same work: synthetic N(0,1) images 3 x size x size, 10 classes, world * batch * steps samples,
 each rank its contiguous shard in order, SGD(lr 0.01, momentum 0.9), cross-entropy; single: 2
@@ -46,6 +47,8 @@ def train(rank, world, args, results):
         x = x.contiguous(memory_format=torch.channels_last)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
+    if args.compile:
+        model = torch.compile(model)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
@@ -106,6 +109,7 @@ def main():
                         help="bf16: torch.autocast('cpu', torch.bfloat16) around forward and loss")
     parser.add_argument("--memory-format", default="contiguous", choices=["contiguous", "channels-last"],
                         help="channels-last: the model and the input tensor in torch.channels_last")
+    parser.add_argument("--compile", action="store_true", help="torch.compile(model): inductor's kernels")
     args = parser.parse_args()
     if args.mode == "single":
         torch.set_num_threads(2)

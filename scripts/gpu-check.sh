@@ -6,8 +6,9 @@
 #   scripts/gpu-check.sh DEPS_DIR OUT_DIR [STEPS]
 #
 # DEPS_DIR is what scripts/gather-gpu-deps.sh made on a Debian machine (headers the GPU machine
-# lacks, and the Fashion-MNIST data). STEPS (default "probe build test example speed zoo rest") picks
-# steps. The device time a session gets is short (15 minutes, its start included), so:
+# lacks, and the Fashion-MNIST data). STEPS (default "probe build test example speed zoo models rest") picks
+# steps (`models`: item 6's TorchScript, Python weights and torch.export on CUDA, and item 7's
+# image folder). The device time a session gets is short (15 minutes, its start included), so:
 #   TARGETS="test_cuda fashion_mnist ..."  build only these first (default: everything);
 #   DEADLINE=<seconds>                      every step stops by then, counted from the script's start;
 #   REPS=<n>                                repetitions of the speed comparisons (default 3);
@@ -17,7 +18,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps=$(cd "$1" && pwd)
 out=$2
-steps=${3:-probe build test example speed zoo rest}
+steps=${3:-probe build test example speed zoo models rest}
 started=$SECONDS
 deadline=${DEADLINE:-100000}
 reps=${REPS:-3}
@@ -129,6 +130,36 @@ if has zoo; then
     done
   } > "$out/zoo.log" 2>&1
   echo "zoo exit $?" >> "$out/zoo.log"
+fi
+
+if has models; then
+  # GPU checklist items 6 and 7 beyond the zoo: torchvision's resnet18 as a TorchScript model and as
+  # a torch.export program trained on cuda:0 in bf16, a Python state_dict of resnet50 evaluated on
+  # cuda:0 and on the CPU (the same loss expected), all from an image folder (PPM: the machine has
+  # no libjpeg/libpng) decoded by 8 loader threads; then the exported program against Python eager
+  # and torch.compile on the same model and loop (synthetic batches), alternated REPS times.
+  {
+    models=/tmp/trainloop-gpu-models
+    timeout "$(left 120)" "$python" "$repo/scripts/gpu-check-models.py" "$models" --size 224 --images 64
+    folder=(--data "$models/images" --size 224 --batch-size 64 --workers 8)
+    for run in "--scripted $models/resnet18.pt --epochs 2 --precision bf16" "--exported $models/resnet18.pt2 --epochs 2 --precision bf16" \
+               "--arch resnet50 --pretrained $models/resnet50.pth --epochs 0"; do
+      echo "== image_classifier $run"
+      # shellcheck disable=SC2086
+      timeout "$(left 120)" "$build/examples/image_classifier" "${folder[@]}" --device cuda:0 $run 2>&1 | grep -v "^\s*$" | tail -6
+      echo "exit ${PIPESTATUS[0]}"
+    done
+    echo "== the same resnet50 weights evaluated on the CPU"
+    timeout "$(left 120)" "$build/examples/image_classifier" "${folder[@]}" --device cpu --arch resnet50 \
+      --pretrained "$models/resnet50.pth" --epochs 0 2>&1 | tail -2
+    common=(--size 224 --batch-size 128 --steps 20 --epochs 2 --mode single --device cuda:0 --precision bf16)
+    for ((rep = 1; rep <= reps; rep++)); do
+      timeout "$(left 120)" "$build/benchmarks/zoo_vs_pytorch" --exported "$models/resnet18.pt2" "${common[@]}"
+      timeout "$(left 120)" "$python" "$repo/benchmarks/zoo_vs_pytorch.py" --arch resnet18 "${common[@]}"
+      timeout "$(left 180)" "$python" "$repo/benchmarks/zoo_vs_pytorch.py" --arch resnet18 --compile "${common[@]}"
+    done
+  } > "$out/models.log" 2>&1
+  echo "models exit $?" >> "$out/models.log"
 fi
 
 if has rest; then
