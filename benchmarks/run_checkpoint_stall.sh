@@ -53,8 +53,6 @@ for level in dict.fromkeys(r['level'] for r in rows):
         with_ckpt = [r for r in rows if r['level'] == level and r['checkpoints'] == '1' and r['background'] == background]
         if not with_ckpt:
             continue
-        if level == 'none' and background == '1':
-            how = 'one file by rank 0 (always waited for)'
         ratios = [float(r['step_s']) / float(base[r['rep']]['step_s']) for r in with_ckpt if r['rep'] in base]
         means = [float(r['mean_step_s']) / float(base[r['rep']]['mean_step_s']) for r in with_ckpt if r['rep'] in base]
         blocking = [float(r['blocking_ms']) for r in with_ckpt]

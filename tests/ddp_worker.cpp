@@ -14,7 +14,7 @@
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 or
 // TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>), TL_TEST_CLIP_PERCENT=N and
 // TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook; TL_TEST_ELASTIC=1,
-// TL_TEST_REPLACEMENTS=N and TL_TEST_TRAIN_SAMPLES=N for elastic training).
+// TL_TEST_REPLACEMENTS=N, TL_TEST_ELASTIC_WAIT_MS=N and TL_TEST_TRAIN_SAMPLES=N for elastic training).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -272,6 +272,8 @@ int main(int argc, char** argv) {
       mode.zero(env_number("TL_TEST_ZERO", 0) != 0);
       // TL_TEST_ELASTIC=1: a lost rank's survivors go on (test_elastic; TRAINLOOP_TEST_KILL_AT kills one).
       mode.elastic(env_number("TL_TEST_ELASTIC", 0) != 0);
+      // TL_TEST_ELASTIC_WAIT_MS: how long a rank that may be gone is waited for (a replacement's rendezvous).
+      if (const int64_t wait = env_number("TL_TEST_ELASTIC_WAIT_MS", 0)) mode.elastic_wait(std::chrono::milliseconds(wait));
       // TL_TEST_REPLACEMENTS=n: the launcher starts replacements of a lost rank (0 here unless asked:
       // the other cases compare with a world that only shrank).
       mode.max_replacements(static_cast<int>(env_number("TL_TEST_REPLACEMENTS", 0)));

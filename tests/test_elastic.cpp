@@ -17,6 +17,7 @@
 #include <map>
 #include <regex>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -65,7 +66,8 @@ void expect_same_end(const std::string& name, WorkerRun& elastic, WorkerRun& del
 /// checkpoint resumed on world-1 ranks. Both must end alike, bit for bit. `mode` (a sharding
 /// level) applies to all three runs, `extra` to the elastic one.
 void lost_rank_equals_deliberate_change(const std::string& name, int world, const std::string& kill,
-                                        const std::string& extra = "", const std::string& mode = "") {
+                                        const std::string& extra = "", const std::string& mode = "",
+                                        const std::vector<std::string>& expected_in_log = {}) {
   const fs::path dir = fresh_dir("elastic_" + name);
   WorkerRun elastic = run_worker("ckpt", world, 0,
                                  common_settings() + mode + extra + "TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" + (dir / "elastic").string() +
@@ -74,6 +76,7 @@ void lost_rank_equals_deliberate_change(const std::string& name, int world, cons
   BOOST_TEST_MESSAGE(name << ": " << elastic.output);
   BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output);
   BOOST_TEST(elastic.output.find("continuing with " + std::to_string(world - 1) + " rank") != std::string::npos);
+  for (const std::string& expected : expected_in_log) BOOST_TEST(elastic.output.find(expected) != std::string::npos, expected);
   BOOST_TEST(leftover_workers() == 0);
   const int committed = resumed_from_step(elastic.output);
 
@@ -222,6 +225,76 @@ BOOST_AUTO_TEST_CASE(a_replacement_the_fit_does_not_admit_ends_with_the_job) {
   BOOST_TEST(hand_off_files_left() == 0);
   fs::remove_all(run.dir);
   fs::remove_all(dir);
+}
+
+namespace {
+
+/// Runs 3 elastic ranks whose rank 2 dies in its forward of step 3, is replaced (admitted at the
+/// commit of step 5: it joins at step 6), and its replacement dies in its forward of step 7; the
+/// launcher may start `replacements` per place. Returns the run (removed by the caller).
+WorkerRun replacement_lost_again(const std::string& name, int replacements) {
+  const fs::path dir = fresh_dir("elastic_again_" + name);
+  WorkerRun run = run_worker("ckpt", 3, 0,
+                             common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=" + std::to_string(replacements) +
+                                 " TL_TEST_CKPT_DIR=" + (dir / "ckpt").string() +
+                                 " TRAINLOOP_TEST_KILL_AT=2:3:forward,2:7:forward TRAINLOOP_TEST_AWAIT_REPLACEMENT=5",
+                             "_again_" + name);
+  BOOST_TEST_MESSAGE(name << ": " << run.output);
+  fs::remove_all(dir);
+  return run;
+}
+
+/// How often `text` occurs in `output`.
+int occurrences(const std::string& output, const std::string& text) {
+  int count = 0;
+  for (auto at = output.find(text); at != std::string::npos; at = output.find(text, at + 1)) ++count;
+  return count;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_replacement_that_dies_too_is_lost_as_any_rank_and_the_used_up_place_is_named) {
+  // max_replacements 1: the place of rank 2 gets one replacement; when that one dies the others go
+  // on with 2 ranks, every sample of both epochs counted once, and the launcher says why no third
+  // process comes.
+  WorkerRun run = replacement_lost_again("used_up", 1);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  BOOST_TEST(occurrences(run.output, "started a replacement for rank 2") == 1, run.output);
+  BOOST_TEST(run.output.find("joined at step 6 as rank 2; continuing with 3 ranks") != std::string::npos, run.output);
+  BOOST_TEST(occurrences(run.output, "continuing with 2 ranks") == 2, run.output);
+  BOOST_TEST(run.output.find("rank 2 was lost again and its 1 replacement is used up (max_replacements 1)") != std::string::npos,
+             run.output);
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) BOOST_TEST(run.result["epoch" + std::to_string(epoch) + "_samples"] == kSamples);
+  BOOST_TEST(leftover_workers() == 0);
+  BOOST_TEST(hand_off_files_left() == 0);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(with_two_replacements_a_place_lost_twice_gets_a_second_one) {
+  // max_replacements 2: the second replacement is started; this job admits only at step 5 (the
+  // test hook), so it waits and ends with the job, exit status 0.
+  WorkerRun run = replacement_lost_again("second", 2);
+  BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  BOOST_TEST(run.output.find("1 of at most 2") != std::string::npos, run.output);
+  BOOST_TEST(run.output.find("2 of at most 2") != std::string::npos, run.output);
+  BOOST_TEST(occurrences(run.output, "continuing with 2 ranks") == 2, run.output);
+  BOOST_TEST(run.output.find("used up") == std::string::npos, run.output);
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) BOOST_TEST(run.result["epoch" + std::to_string(epoch) + "_samples"] == kSamples);
+  BOOST_TEST(leftover_workers() == 0);
+  BOOST_TEST(hand_off_files_left() == 0);
+  fs::remove_all(run.dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_replacement_lost_before_the_grown_group_forms_leaves_the_members_going_on_exactly) {
+  // Rank 2 dies at step 3; its replacement is admitted at step 5's commit and dies before the grown
+  // group's rendezvous (kill point `join`). The members stop waiting for it after elastic_wait (3 s
+  // here), form their own group again and go on from step 5 as they were: the end equals 3 ranks
+  // that became 2 at step 2 on purpose, bit for bit, and the hand-off link made for it is removed.
+  lost_rank_equals_deliberate_change("join_lost", 3, "2:3:forward,2:6:join",
+                                     "TL_TEST_REPLACEMENTS=1 TRAINLOOP_TEST_AWAIT_REPLACEMENT=5 TL_TEST_ELASTIC_WAIT_MS=3000 ", "",
+                                     {"started a replacement for rank 2", "admitted at step 6 was lost before the grown group formed",
+                                      "rank 2 was lost again and its 1 replacement is used up"});
+  BOOST_TEST(hand_off_files_left() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(two_neighbours_lost_at_once_end_a_sharded_job_named) {

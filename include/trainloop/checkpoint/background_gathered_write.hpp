@@ -4,11 +4,15 @@
 /// training by a thread of its own, with every guarantee of the foreground write
 /// (checkpoint/checkpoint_file.hpp): the same layout and values, atomic, fsynced.
 ///
-/// 1. (training thread, before) the archive is built: the parameters and the optimizer state as
-///    views, the buffers copied (checkpoint/module_snapshot.hpp), the rest taken as values;
-/// 2. the thread streams it into a temporary file next to the checkpoint — the training thread
-///    waits for that (wait_copied) only before its next optimizer step changes what it reads;
-/// 3. it fsyncs and renames the file (the commit), or removes it on a failure.
+/// 1. (training thread, before) the archive is built: host buffers standing in for the parameters
+///    and the optimizer state (checkpoint/gathered_capture.hpp), the model's buffers copied
+///    (checkpoint/module_snapshot.hpp), the rest taken as values;
+/// 2. the thread copies the live parameters and optimizer state into those buffers — the training
+///    thread waits for that (wait_copied) only before its next optimizer step changes them; where
+///    the archive holds a live tensor instead (GatheredCapture::complete() false), it waits until
+///    the archive is streamed;
+/// 3. it streams the archive into a temporary file next to the checkpoint, fsyncs and renames it
+///    (the commit), or removes it on a failure.
 ///
 /// A kill at any moment leaves the previous checkpoint whole (the name appears only at the rename)
 /// and at most a temporary file, which the next writer in that directory removes once its owner is
@@ -16,18 +20,14 @@
 
 #include <trainloop/checkpoint/background_write.hpp>
 #include <trainloop/checkpoint/checkpoint_file.hpp>
+#include <trainloop/checkpoint/gathered_capture.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/progress/test_kill_point.hpp>
 
 #include <torch/torch.h>
 
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <filesystem>
-#include <mutex>
-#include <thread>
 #include <utility>
 
 namespace trainloop::detail {
@@ -36,74 +36,44 @@ namespace trainloop::detail {
 class BackgroundGatheredWrite : public BackgroundWrite {
  public:
   /// Starts the thread writing `archive` to `path` when this rank `writes` it; otherwise the write
-  /// is finished at once. `step`: the optimizer steps it holds (the test kill point's step).
-  BackgroundGatheredWrite(torch::serialize::OutputArchive archive, std::filesystem::path path, int64_t step, bool writes)
-      : archive_(std::move(archive)), path_(std::move(path)), step_(step) {
-    if (!writes) {
-      copied_ = true;
-      finished_.store(true);
-      return;
+  /// is finished at once. `capture`: the buffers standing in for live tensors in `archive` (it
+  /// outlives the write); `step`: the optimizer steps it holds (the test kill point's step).
+  BackgroundGatheredWrite(torch::serialize::OutputArchive archive, GatheredCapture& capture, std::filesystem::path path,
+                          int64_t step, bool writes)
+      : archive_(std::move(archive)), capture_(capture), path_(std::move(path)), step_(step) {
+    if (writes) {
+      start([this] { run(); });
+    } else {
+      finish_at_once();
     }
-    thread_ = std::thread([this] { run(); });
   }
-  BackgroundGatheredWrite(const BackgroundGatheredWrite&) = delete;
-  BackgroundGatheredWrite& operator=(const BackgroundGatheredWrite&) = delete;
   ~BackgroundGatheredWrite() override { cancel(); }
-
-  void wait_copied() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [this] { return copied_; });
-  }
-  bool finished() const override { return finished_.load(); }
-  void wait_finished() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [this] { return finished_.load(); });
-  }
-  std::exception_ptr join() override {
-    if (thread_.joinable()) thread_.join();
-    return error_;
-  }
-  /// The file streamed so far is not committed (the temporary file is removed); a write already
-  /// committed stays.
-  void cancel() override {
-    cancelled_.store(true);
-    if (thread_.joinable()) thread_.join();
-  }
 
  private:
   void run() {
     try {
+      if (!capture_.copy(cancel_flag())) {
+        throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
+      }
+      if (capture_.complete()) set_copied();  // the archive holds no live tensor the step changes
+      // A cancel stops the writing (save_checkpoint_archive's `stop`): a fit that failed does not
+      // wait for the rest of a large file to reach the disk.
       save_checkpoint_archive(archive_, path_, [this] {
         set_copied();
         progress::test_kill_point(progress::KillPoint::BackgroundWrite, step_);
-        if (cancelled_.load()) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
-      });
+        if (cancelled()) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
+      }, &cancel_flag());
     } catch (...) {
       error_ = checkpoint_failure(path_);
     }
     set_copied();
     archive_ = torch::serialize::OutputArchive();  // the buffers' copies go now, not at the next checkpoint
-    std::lock_guard<std::mutex> lock(mutex_);
-    finished_.store(true);
-    changed_.notify_all();
-  }
-
-  void set_copied() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    copied_ = true;
-    changed_.notify_all();
   }
 
   torch::serialize::OutputArchive archive_;
+  GatheredCapture& capture_;
   std::filesystem::path path_;
   int64_t step_ = 0;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  bool copied_ = false;
-  std::atomic<bool> finished_{false};
-  std::atomic<bool> cancelled_{false};
-  std::exception_ptr error_;
-  std::thread thread_;  // last: starts once everything above is made
 };
 
 }  // namespace trainloop::detail

@@ -93,21 +93,81 @@ struct BackgroundWriteSetup {
 
 /// @brief A checkpoint being written by a thread of its own, as the loop sees it
 /// (loop/background_checkpoint_io.hpp): this rank's part of a per-rank checkpoint
-/// (BackgroundCheckpointWrite) or a gathered checkpoint's file (BackgroundGatheredWrite).
+/// (BackgroundCheckpointWrite) or a gathered checkpoint's file (BackgroundGatheredWrite). The
+/// thread and what the training thread waits for live here; a writer says what its thread does
+/// (run()), starts it last in its constructor (start()) and cancels it first in its destructor.
 class BackgroundWrite {
  public:
+  BackgroundWrite(const BackgroundWrite&) = delete;
+  BackgroundWrite& operator=(const BackgroundWrite&) = delete;
   virtual ~BackgroundWrite() = default;
-  /// Blocks until the thread no longer reads the state training changes (before the next
-  /// optimizer step). Returns at once after that, and after a failure.
-  virtual void wait_copied() = 0;
-  /// Rank 0: whether the checkpoint is committed or given up. Other ranks: whether their part is done.
-  virtual bool finished() const = 0;
+
+  /// Blocks until the thread no longer reads the state training changes (the training thread,
+  /// before its next optimizer step). Returns at once after that, and after a failure.
+  void wait_copied() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [this] { return copied_; });
+  }
+  /// Rank 0: whether the checkpoint is committed or given up (then join() returns at once). Other
+  /// ranks: whether their part is done.
+  bool finished() const { return finished_.load(); }
   /// Blocks until finished() (no collective).
-  virtual void wait_finished() = 0;
-  /// Waits for the thread; returns this rank's error, null when its part succeeded.
-  virtual std::exception_ptr join() = 0;
-  /// Ends the thread without committing (fit() failed). No collective.
-  virtual void cancel() = 0;
+  void wait_finished() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [this] { return finished_.load(); });
+  }
+  /// Waits for the thread; returns this rank's error, null when its part succeeded (rank 0 of a
+  /// per-rank checkpoint: committed; its error names any rank that failed).
+  std::exception_ptr join() {
+    if (thread_.joinable()) thread_.join();
+    return error_;
+  }
+  /// Ends the thread without committing (fit() failed): it stops waiting for the others and
+  /// stops streaming; what it wrote is removed, a write already committed stays. No collective.
+  void cancel() {
+    cancelled_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+
+ protected:
+  BackgroundWrite() = default;
+
+  /// Starts the thread running `work`, then marks the write copied and finished however it ended.
+  template <class Work>
+  void start(Work work) {
+    thread_ = std::thread([this, work = std::move(work)]() mutable {
+      work();
+      set_copied();
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_.store(true);
+      changed_.notify_all();
+    });
+  }
+  /// No thread: nothing to write on this rank; finished at once.
+  void finish_at_once() {
+    copied_ = true;
+    finished_.store(true);
+  }
+  /// The training thread may change the state from now on.
+  void set_copied() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    copied_ = true;
+    changed_.notify_all();
+  }
+  /// Whether cancel() was called.
+  bool cancelled() const { return cancelled_.load(); }
+  /// The flag cancel() sets, for work that polls it (a copy, a stream).
+  const std::atomic<bool>& cancel_flag() const { return cancelled_; }
+
+  std::exception_ptr error_;  ///< this rank's failure (the thread's; read after join())
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool copied_ = false;
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> cancelled_{false};
+  std::thread thread_;
 };
 
 /// @brief This rank's part of a checkpoint written by a thread of its own (see the file comment).
@@ -115,43 +175,16 @@ class BackgroundCheckpointWrite : public BackgroundWrite {
  public:
   /// Starts the thread. `capture` was planned for this checkpoint and outlives the write.
   BackgroundCheckpointWrite(BackgroundWriteSetup setup, ShareCapture& capture, CheckpointMailbox mailbox)
-      : setup_(std::move(setup)), capture_(capture), mailbox_(std::move(mailbox)), thread_([this] { run(); }) {}
-  BackgroundCheckpointWrite(const BackgroundCheckpointWrite&) = delete;
-  BackgroundCheckpointWrite& operator=(const BackgroundCheckpointWrite&) = delete;
+      : setup_(std::move(setup)), capture_(capture), mailbox_(std::move(mailbox)) {
+    start([this] { run(); });
+  }
   ~BackgroundCheckpointWrite() override { cancel(); }
-
-  /// Blocks until the state is copied into the host buffers (the training thread, before its next
-  /// optimizer step). Returns at once after that, and after a failure.
-  void wait_copied() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    copied_changed_.wait(lock, [this] { return copied_; });
-  }
-  /// Rank 0: whether every rank's file is in and the checkpoint committed or given up (then
-  /// join() returns at once). Other ranks: whether this rank's part is posted.
-  bool finished() const override { return finished_.load(); }
-  /// Blocks until finished() (no collective).
-  void wait_finished() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    copied_changed_.wait(lock, [this] { return finished_.load(); });
-  }
-  /// Waits for the thread; returns this rank's error, null when its part is written (rank 0: the
-  /// checkpoint committed; its error names any rank that failed).
-  std::exception_ptr join() override {
-    if (thread_.joinable()) thread_.join();
-    return error_;
-  }
-  /// Stops waiting for the others and ends the thread without committing (fit() failed); rank 0
-  /// removes the temporary directory. No collective.
-  void cancel() override {
-    cancelled_.store(true);
-    if (thread_.joinable()) thread_.join();
-  }
 
  private:
   void run() {
     std::string part;
     try {
-      const bool copied = capture_.copy(cancelled_);
+      const bool copied = capture_.copy(cancel_flag());
       set_copied();
       if (!copied) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
       part = write_captured_rank_file(setup_.temporary, setup_.rank, capture_.boxes());
@@ -169,9 +202,6 @@ class BackgroundCheckpointWrite : public BackgroundWrite {
     } else {
       commit_on_rank_zero(std::move(part));
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    finished_.store(true);
-    copied_changed_.notify_all();
   }
 
   /// Rank 0: every rank's part, then the metadata and the commit — or the directory removed.
@@ -186,7 +216,7 @@ class BackgroundCheckpointWrite : public BackgroundWrite {
     }
     try {
       if (error_) std::rethrow_exception(error_);
-      if (cancelled_.load()) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
+      if (cancelled()) throw CheckpointError("trainloop: the checkpoint write was cancelled (fit() ended with an error)");
       if (!failure.empty()) {
         throw CheckpointError(concat("trainloop: another rank could not write its share of the checkpoint ",
                                      setup_.target.string(), " (", failure, "); nothing was committed, the previous "
@@ -211,7 +241,7 @@ class BackgroundCheckpointWrite : public BackgroundWrite {
       // and the watchdog use it); the first reply is usually in already.
       for (auto pause = std::chrono::milliseconds(1); !(message = mailbox_.take(key));
            pause = std::min(pause * 2, std::chrono::milliseconds(20))) {
-        if (cancelled_.load()) return;
+        if (cancelled()) return;
         std::this_thread::sleep_for(pause);
       }
       if (message->empty() || message->front() != 'K') {
@@ -222,22 +252,9 @@ class BackgroundCheckpointWrite : public BackgroundWrite {
     }
   }
 
-  void set_copied() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    copied_ = true;
-    copied_changed_.notify_all();
-  }
-
   BackgroundWriteSetup setup_;
   ShareCapture& capture_;
   CheckpointMailbox mailbox_;
-  std::mutex mutex_;
-  std::condition_variable copied_changed_;
-  bool copied_ = false;
-  std::atomic<bool> finished_{false};
-  std::atomic<bool> cancelled_{false};
-  std::exception_ptr error_;
-  std::thread thread_;  // last: starts once everything above is made
 };
 
 }  // namespace trainloop::detail

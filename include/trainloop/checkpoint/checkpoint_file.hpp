@@ -26,6 +26,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -130,18 +131,30 @@ inline torch::serialize::OutputArchive checkpoint_archive(
 
 /// Writes `archive` to `path` atomically: streamed into a temporary file next to it, then fsynced
 /// and renamed. `streamed` (when given) runs once every tensor's bytes are in the temporary file —
-/// from then on the archive's tensors may change (a checkpoint written behind training).
+/// from then on the archive's tensors may change (a checkpoint written behind training). `stop`
+/// (when given), once set, stops the writing and the file is not committed.
 inline void save_checkpoint_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path,
-                                    const std::function<void()>& streamed = {}) {
+                                    const std::function<void()>& streamed = {}, const std::atomic<bool>* stop = nullptr) {
   // Streamed through a writer trainloop checks itself (see BasicAtomicFile::writer): a full disk
   // is a CheckpointError naming the file and the system's reason, not an abort inside libtorch.
   BasicAtomicFile<CheckpointError> file(path, "the checkpoint");
+  std::function<size_t(const void*, size_t)> write = file.writer();
+  if (stop != nullptr) {
+    // Stopped: the rest is not written, only passed over (libtorch still sums its CRC) and the
+    // file is not committed. Not a short write: libtorch's zip writer then fails again in its
+    // destructor, which terminates the process (tried on 2.15).
+    write = [write, stop](const void* data, size_t size) -> size_t { return stop->load() ? size : write(data, size); };
+  }
   try {
-    archive.save_to(file.writer());
+    archive.save_to(write);
   } catch (const c10::Error& error) {
     std::throw_with_nested(CheckpointError(concat("trainloop: cannot write the checkpoint ", path.string(), ": ",
                                                   error.what_without_backtrace(), "; expected a writable directory with "
                                                   "free space (the previous checkpoint is unchanged)")));
+  }
+  if (stop != nullptr && stop->load()) {
+    throw CheckpointError(concat("trainloop: the checkpoint ", path.string(), " was not written: its write was cancelled "
+                                 "(fit() ended with an error); the previous checkpoints are unchanged"));
   }
   if (streamed) streamed();
   file.commit();

@@ -111,8 +111,8 @@ class BackgroundCheckpoints {
     Stopwatch clock;
     std::exception_ptr failure;
     try {
-      write_ = std::make_unique<BackgroundGatheredWrite>(writes ? snapshot() : torch::serialize::OutputArchive(), path,
-                                                         step, writes);
+      write_ = std::make_unique<BackgroundGatheredWrite>(writes ? snapshot() : torch::serialize::OutputArchive(),
+                                                         gathered_capture_, path, step, writes);
     } catch (...) {
       failure = checkpoint_failure(path);
     }
@@ -186,6 +186,11 @@ class BackgroundCheckpoints {
   /// Bytes of host memory the capture's buffers hold (one rank's part of a checkpoint).
   int64_t buffer_bytes() const { return capture_.buffer_bytes(); }
 
+  /// The buffers a gathered checkpoint's archive holds in place of the live tensors
+  /// (checkpoint/gathered_capture.hpp): planned by the caller of start_gathered(), once no
+  /// checkpoint is in flight (make_room()), since the one in flight streams from them.
+  GatheredCapture& gathered_capture() { return gathered_capture_; }
+
  private:
   /// Every rank: whether any failed (a collective), then `done` with the report.
   template <ModeEngine Engine>
@@ -209,6 +214,7 @@ class BackgroundCheckpoints {
   }
 
   ShareCapture capture_;  // before write_: the writer's thread reads it until it ends
+  GatheredCapture gathered_capture_;  // the same, for a gathered checkpoint
   std::unique_ptr<BackgroundWrite> write_;  // BackgroundCheckpointWrite or BackgroundGatheredWrite
   std::function<void(const CheckpointReport&)> done_;
   CheckpointReport report_;

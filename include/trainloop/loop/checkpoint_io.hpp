@@ -226,10 +226,8 @@ class CheckpointIO {
   /// the same name is replaced by the file) — those are written now.
   template <ModeEngine Engine>
   bool gathered_behind_training(Engine& engine, const std::filesystem::path& path, bool writes) {
-    if (model_bytes() < kGatheredBackgroundBytes &&
-        model_bytes() + optimizer_state_bytes(optimizer_) < kGatheredBackgroundBytes) {
-      return false;
-    }
+    const int64_t model = model_bytes();
+    if (model < kGatheredBackgroundBytes && model + optimizer_state_bytes(optimizer_) < kGatheredBackgroundBytes) return false;
     if (nn::uses_channels_last(options_.memory_format(), module_)) return false;
     const bool here_not = writes && (engine.rank() != 0 || is_sharded_checkpoint(path));
     return !(engine.world_size() > 1 ? engine.any_rank(here_not) : here_not);
@@ -242,19 +240,27 @@ class CheckpointIO {
     return bytes;
   }
   /// The gathered checkpoint of `moment` started behind training: the optimizer's state as the
-  /// engine saves it (a collective for a sharded engine), then rank 0's archive of views and copies
-  /// (checkpoint/module_snapshot.hpp) for its thread to stream.
+  /// engine saves it (a collective for a sharded engine), then rank 0's archive, with host buffers
+  /// standing in for the parameters and the optimizer's state and the model's buffers copied
+  /// (checkpoint/gathered_capture.hpp, module_snapshot.hpp), for its thread to fill and stream.
   template <ModeEngine Engine>
   void start_gathered(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path, bool writes,
                       const Moment& moment, std::function<void(const CheckpointReport&)> done) {
     unshard_parameters(engine);
+    GatheredCapture& capture = background_.gathered_capture();  // free: start() made room first
+    capture.begin();
     torch::serialize::OutputArchive optimizer_state;
-    save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
+    {
+      std::optional<OptimizerStandIns> stand_ins;
+      if (writes) stand_ins.emplace(optimizer_, capture);
+      save_engine_optimizer_state(engine, optimizer_, optimizer_state, writes);
+    }
     background_.start_gathered(
         engine,
         [&] {
-          return checkpoint_archive(module_, [this](torch::serialize::OutputArchive& into) { save_module_snapshot(module_, into); },
-                                    optimizer_state, moment.progress, callbacks, moment.rng, moment.header, path);
+          return checkpoint_archive(
+              module_, [&](torch::serialize::OutputArchive& into) { save_module_snapshot(module_, into, capture); },
+              optimizer_state, moment.progress, callbacks, moment.rng, moment.header, path);
         },
         path, progress_.global_step, writes, std::move(done));
   }

@@ -14,8 +14,11 @@
 /// written behind training at the end of that step, once its file is written and before it tells
 /// rank 0 or, on rank 0, commits: checkpoint/background_write.hpp), `share-copy` (elastic training of sharded
 /// state: inside the exchange of the step's copies with the neighbours, at the start of that step:
-/// distributed/elastic/share_copies.hpp). Only the process whose rank matches dies; several
-/// comma-separated plans kill several ranks (`1:3:forward,2:3:forward`). With
+/// distributed/elastic/share_copies.hpp), `join` (a replacement admitted to join at that step,
+/// before it joins the grown group: distributed/elastic/replacement_join.hpp). Only the process
+/// whose rank matches dies; several
+/// comma-separated plans kill several ranks (`1:3:forward,2:3:forward`), or one rank's place
+/// again (`2:3:forward,2:8:forward`: its replacement, joined after step 3, dies at step 8). With
 /// `TRAINLOOP_TEST_KILL_MARK=<file>` it dies only if the file does not exist yet, and writes the
 /// time of the kill into it first (seconds since the Unix epoch): a restarted rank reaching the
 /// same point lives, and a benchmark knows when the death happened.
@@ -30,24 +33,42 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 #include <unistd.h>
 
 namespace trainloop::progress {
 
 /// Where a test may kill a rank (see the file comment).
-enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite, ShareCopy };
+enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite, ShareCopy, Join };
 
 namespace detail {
 
 struct KillPlan {
-  bool armed = false;
-  int rank = -1;
-  std::int64_t step = 0;
-  KillPoint point = KillPoint::Forward;
-  std::string mark;  // TRAINLOOP_TEST_KILL_MARK
+  std::vector<std::pair<std::int64_t, KillPoint>> at;  // this rank's (step, point)s
+  std::string mark;                                    // TRAINLOOP_TEST_KILL_MARK
+  bool names(KillPoint point) const {
+    return std::any_of(at.begin(), at.end(), [point](const auto& one) { return one.second == point; });
+  }
+  bool names(KillPoint point, std::int64_t step) const {
+    return std::find(at.begin(), at.end(), std::pair<std::int64_t, KillPoint>(step, point)) != at.end();
+  }
 };
+
+inline std::optional<KillPoint> parse_kill_point(std::string_view point) {
+  if (point == "forward") return KillPoint::Forward;
+  if (point == "backward") return KillPoint::Backward;
+  if (point == "optimizer") return KillPoint::Optimizer;
+  if (point == "checkpoint") return KillPoint::Checkpoint;
+  if (point == "evaluation") return KillPoint::Evaluation;
+  if (point == "background-write") return KillPoint::BackgroundWrite;
+  if (point == "share-copy") return KillPoint::ShareCopy;
+  if (point == "join") return KillPoint::Join;
+  return std::nullopt;
+}
 
 inline KillPlan parse_kill_plan() {
   KillPlan plan;
@@ -55,32 +76,18 @@ inline KillPlan parse_kill_plan() {
   const char* own = std::getenv("TRAINLOOP_RANK");
   if (own == nullptr) own = std::getenv("RANK");
   if (text == nullptr || own == nullptr) return plan;
-  // This rank's plan among comma-separated ones (the first that names it; else the first).
-  std::string spec(text);
+  // Every comma-separated plan that names this rank (a replacement of the rank reaches the later ones).
+  const std::string spec(text);
   for (std::size_t start = 0; start <= spec.size();) {
     const std::size_t end = std::min(spec.find(',', start), spec.size());
     const std::string one = spec.substr(start, end - start);
-    if (one.substr(0, one.find(':')) == own) {
-      spec = one;
-      break;
-    }
     start = end + 1;
+    const auto first = one.find(':'), second = first == std::string::npos ? first : one.find(':', first + 1);
+    if (second == std::string::npos || std::atoi(one.substr(0, first).c_str()) != std::atoi(own)) continue;
+    if (const std::optional<KillPoint> point = parse_kill_point(std::string_view(one).substr(second + 1))) {
+      plan.at.emplace_back(std::atoll(one.substr(first + 1, second - first - 1).c_str()), *point);
+    }
   }
-  if (const auto comma = spec.find(','); comma != std::string::npos) spec = spec.substr(0, comma);
-  const auto first = spec.find(':'), second = spec.find(':', first == std::string::npos ? first : first + 1);
-  if (first == std::string::npos || second == std::string::npos) return plan;
-  plan.rank = std::atoi(spec.substr(0, first).c_str());
-  plan.step = std::atoll(spec.substr(first + 1, second - first - 1).c_str());
-  const std::string_view point = std::string_view(spec).substr(second + 1);
-  if (point == "forward") plan.point = KillPoint::Forward;
-  else if (point == "backward") plan.point = KillPoint::Backward;
-  else if (point == "optimizer") plan.point = KillPoint::Optimizer;
-  else if (point == "checkpoint") plan.point = KillPoint::Checkpoint;
-  else if (point == "evaluation") plan.point = KillPoint::Evaluation;
-  else if (point == "background-write") plan.point = KillPoint::BackgroundWrite;
-  else if (point == "share-copy") plan.point = KillPoint::ShareCopy;
-  else return plan;
-  plan.armed = plan.rank == std::atoi(own);
   if (const char* mark = std::getenv("TRAINLOOP_TEST_KILL_MARK")) plan.mark = mark;
   return plan;
 }
@@ -96,7 +103,7 @@ inline const KillPlan& kill_plan() {
 /// not the training thread: the step it works for).
 inline void test_kill_point(KillPoint point, std::int64_t step) {
   const detail::KillPlan& plan = detail::kill_plan();
-  if (!plan.armed || plan.point != point || step != plan.step) return;
+  if (!plan.names(point, step)) return;
   if (!plan.mark.empty()) {
     if (std::filesystem::exists(plan.mark)) return;  // killed once already: a restarted rank lives
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -108,7 +115,7 @@ inline void test_kill_point(KillPoint point, std::int64_t step) {
 /// Kills this process when the test plan names this rank, the step in flight and `point`.
 inline void test_kill_point(KillPoint point) {
   const detail::KillPlan& plan = detail::kill_plan();
-  if (!plan.armed || plan.point != point) return;
+  if (!plan.names(point)) return;
   // A checkpoint written at the end of step S, and the validation after it, see S completed.
   const bool after_step = point == KillPoint::Checkpoint || point == KillPoint::Evaluation;
   test_kill_point(point, progress_beacon().global_step() + (after_step ? 0 : 1));

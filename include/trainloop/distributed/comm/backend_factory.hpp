@@ -41,7 +41,8 @@ namespace detail {
 inline CommunicationError rendezvous_error(const ProcessGroupOptions& o, const char* backend, const std::exception& error) {
   return CommunicationError(::trainloop::detail::concat(
       "trainloop: the ", backend, " rendezvous of rank ", o.rank, " with ", o.world_size, " ranks through ",
-      o.master_addr, ":", o.master_port, " failed (timeout ", o.timeout.count(),
+      o.master_addr, ":", o.master_port, " failed (timeout ",
+      (o.rendezvous_timeout.count() > 0 ? o.rendezvous_timeout : o.timeout).count(),
       " ms); expected every rank to start with the same world size and master. Details: ", error.what()));
 }
 
@@ -84,10 +85,13 @@ inline std::vector<std::shared_ptr<::gloo::transport::Device>> make_gloo_devices
 
 inline c10::intrusive_ptr<::trainloop::detail::CollectiveBackend> make_gloo(
     const ProcessGroupOptions& o, const c10::intrusive_ptr<::c10d::Store>& store) {
-  auto options = ::c10d::ProcessGroupGloo::Options::create(o.timeout);
+  const bool bounded = o.rendezvous_timeout.count() > 0;
+  auto options = ::c10d::ProcessGroupGloo::Options::create(bounded ? o.rendezvous_timeout : o.timeout);
   options->devices = make_gloo_devices(o);
   try {
-    return c10::make_intrusive<::c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
+    auto backend = c10::make_intrusive<::c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
+    if (bounded) backend->setTimeout(o.timeout);  // the collectives' limit, once the rendezvous is over
+    return backend;
   } catch (const std::exception& error) {
     throw rendezvous_error(o, "gloo", error);
   }

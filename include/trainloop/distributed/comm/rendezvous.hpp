@@ -56,6 +56,10 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
   /// Key prefix in the store, so our keys never collide with those of an agent's store.
   std::string store_prefix = "trainloop/default_pg";
+  /// Gloo: the rendezvous alone waits at most this long for the other ranks (0: `timeout`), the
+  /// collectives `timeout`. Elastic training grows its group with a replacement that may be gone
+  /// (distributed/elastic/replacement_join.hpp): the members stop waiting for it soon.
+  std::chrono::milliseconds rendezvous_timeout{0};
 };
 
 /// @throws trainloop::ConfigurationError naming the first option out of range.

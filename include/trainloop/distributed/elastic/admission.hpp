@@ -12,7 +12,10 @@
 /// - `closed`: rank 0 set it when the fit ended; a replacement still waiting then ends (exit 0).
 /// `trainloop-elastic/g<generation>/grow` is rank 0's decision for the other members: whether the
 /// state goes over the grown group (1) or every replacement reads it from this machine's memory
-/// (0), then the tickets it admitted, in the order of their new ranks.
+/// (0), then the tickets it admitted, in the order of their new ranks. Under the grown group's
+/// generation, `formed/<member>` says whether each member formed it and `grown` is rank 0's verdict:
+/// it goes on only when every member formed it (a replacement lost between its admission and the
+/// group's rendezvous: the members form the group without it again).
 ///
 /// Rank 0 looks for waiting replacements at each step's commit, at most every 100 ms (one store
 /// round trip), and puts their number in its row of the commit (commit_record.hpp), so every rank
@@ -88,6 +91,12 @@ inline std::string admitted(std::int64_t ticket) { return "trainloop-elastic/joi
 inline std::string closed() { return "trainloop-elastic/join/closed"; }
 /// Rank 0's decision for the members of generation `generation`.
 inline std::string grow(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/grow"; }
+/// Whether member `rank` formed the grown group of generation `generation` ("1", or "0 <why not>").
+inline std::string formed(int generation, int rank) {
+  return "trainloop-elastic/g" + std::to_string(generation) + "/formed/" + std::to_string(rank);
+}
+/// Rank 0's verdict on the grown group of generation `generation`: "1" (it goes on) or "0 <why not>".
+inline std::string verdict(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/grown"; }
 }  // namespace join_keys
 
 /// Rank 0's view of the queue (see the file comment).
@@ -206,6 +215,56 @@ inline GrowDecision read_admissions(::c10d::Store& store, int generation, std::c
   grow.over_group = over_group != 0;
   for (JoinRequest request; decision >> request.ticket >> request.launcher_rank >> request.owner;) grow.joined.push_back(request);
   return grow;
+}
+
+/// Waits up to `timeout` for `key` (polled: the store's blocking wait would hold its client from the
+/// other threads of this process) and returns its text.
+/// @throws trainloop::CommunicationError naming `what` when it does not come.
+inline std::string wait_for_key(::c10d::Store& store, const std::string& key, std::chrono::milliseconds timeout,
+                                const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  try {
+    while (!store.check({key})) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw CommunicationError(::trainloop::detail::concat("trainloop: ", what, " did not come within ", timeout.count(), " ms"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return distributed::detail::store_text(store.get(key));
+  } catch (const c10::Error& error) {
+    throw CommunicationError(::trainloop::detail::concat("trainloop: the job's store went away while waiting for ", what,
+                                                         " (rank 0, whose process holds it, is gone): ",
+                                                         error.what_without_backtrace()));
+  }
+}
+
+/// Rank 0's verdict on the grown group of generation `generation` (agree_on_growth): the empty
+/// string when it goes on, else why not.
+inline std::string verdict_of_growth(::c10d::Store& store, int generation, std::chrono::milliseconds timeout) {
+  const std::string verdict = wait_for_key(store, join_keys::verdict(generation), timeout, "rank 0's verdict on the grown group");
+  return verdict == "1" ? std::string() : (verdict.size() > 2 ? verdict.substr(2) : std::string("no reason"));
+}
+
+/// Every member's part in deciding whether the grown group of generation `generation` goes on:
+/// member `rank` of the `members` before it says whether it formed that group (`failure`: why
+/// not; empty when it did); rank 0 waits for every member's word and writes the verdict, which
+/// every member (and every replacement: verdict_of_growth) reads. The group goes on only when
+/// every member formed it. @return the empty string when it goes on, else why not.
+inline std::string agree_on_growth(::c10d::Store& store, int generation, int rank, int members, const std::string& failure,
+                                   std::chrono::milliseconds timeout) {
+  store.set(join_keys::formed(generation, rank), distributed::detail::store_bytes(failure.empty() ? "1" : "0 " + failure));
+  if (rank == 0) {
+    std::string first_failure;
+    for (int member = 0; member < members; ++member) {
+      const std::string word = wait_for_key(store, join_keys::formed(generation, member), timeout,
+                                            ::trainloop::detail::concat("member ", member, "'s word on the grown group"));
+      if (word != "1" && first_failure.empty()) {
+        first_failure = ::trainloop::detail::concat("rank ", member, ": ", word.size() > 2 ? word.substr(2) : std::string("no reason"));
+      }
+    }
+    store.set(join_keys::verdict(generation), distributed::detail::store_bytes(first_failure.empty() ? "1" : "0 " + first_failure));
+  }
+  return verdict_of_growth(store, generation, timeout);
 }
 
 /// In a replacement: takes a ticket and says who asks. @return the ticket.

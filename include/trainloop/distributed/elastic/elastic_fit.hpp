@@ -236,6 +236,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
     actions.save_committed(own);
   }
   // On rank 0: where each replacement finds the state (all empty: one is on another machine).
+  std::vector<std::filesystem::path> links;  // rank 0's links for the replacements (each consumes its own)
   auto hand_offs_for = [&](const std::vector<JoinRequest>& joining) {
     const bool local = std::all_of(joining.begin(), joining.end(), [](const JoinRequest& r) { return r.on_this_machine(); });
     std::vector<std::string> hand_offs;
@@ -246,19 +247,30 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
       }
       const std::string link = ::trainloop::detail::concat(own, ".t", request.ticket);
       std::filesystem::create_hard_link(own, link);
+      links.emplace_back(link);
       hand_offs.push_back(link);
     }
     return hand_offs;
   };
   const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), step, hand_offs_for,
-                               parts.elastic_wait + std::chrono::seconds(30));
+                               parts.elastic_wait + std::chrono::seconds(30), parts.elastic_wait);
+  if (!grown.not_formed.empty()) {
+    std::error_code ignored;
+    for (const std::filesystem::path& link : links) std::filesystem::remove(link, ignored);  // nobody reads them now
+  }
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
   ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, grown.decision.over_group, own, parts);
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::ostringstream line;
     const std::vector<JoinRequest>& joined = grown.decision.joined;
-    for (std::size_t i = 0; i < joined.size(); ++i) {
+    for (std::size_t i = 0; i < joined.size() && !grown.not_formed.empty(); ++i) {
+      line << "trainloop: the replacement for rank " << joined[i].launcher_rank << " (pid " << joined[i].pid()
+           << ") admitted at step " << step + 1 << " was lost before the grown group formed (" << grown.not_formed
+           << "); continuing with " << group.world_size() << " rank" << (group.world_size() == 1 ? "" : "s") << " (in "
+           << std::fixed << std::setprecision(2) << seconds * 1000.0 << " ms, from step " << step << ")\n";
+    }
+    for (std::size_t i = 0; i < joined.size() && grown.not_formed.empty(); ++i) {
       line << "trainloop: a replacement for rank " << joined[i].launcher_rank << " (pid " << joined[i].pid()
            << ") joined at step " << step + 1 << " as rank " << grown.old_world + static_cast<int>(i) << "; continuing with "
            << group.world_size() << " ranks (admitted in " << std::fixed << std::setprecision(2) << seconds * 1000.0
@@ -279,7 +291,8 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
 /// FitEndedBeforeAdmission when the fit ended first.
 inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detail::FitActions& actions,
                                                         const ElasticFitParts& parts) {
-  std::optional<Admission> admission = join_as_replacement(*parts.env, parts.group_options);
+  std::optional<Admission> admission =
+      join_as_replacement(*parts.env, parts.group_options, parts.elastic_wait + std::chrono::seconds(30), parts.elastic_wait);
   if (!admission) throw FitEndedBeforeAdmission();
   return admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off.empty(),
                             admission->hand_off, parts);

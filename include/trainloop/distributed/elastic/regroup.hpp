@@ -69,14 +69,19 @@ inline std::string generation_group_prefix(int generation) { return "trainloop-e
 
 /// The job's group (`session`'s) becomes the next generation's, `world` ranks of which this process
 /// is `rank`, made over `old`'s store; `old` is parked (see the file comment). The caller holds
-/// the session's mutex. (A replacement joins the same group with ProcessGroup::create:
-/// replacement_join.hpp.)
+/// the session's mutex. `rendezvous_timeout` (0: the group's timeout) bounds the wait for the
+/// others (ProcessGroupOptions::rendezvous_timeout). (A replacement joins the same group with
+/// ProcessGroup::create: replacement_join.hpp.)
+/// @throws trainloop::CommunicationError when the rendezvous fails; the generation is used up then
+///         and the job's group is still `old`.
 inline void next_generation_group(::trainloop::distributed::detail::SessionGroup& session, const ProcessGroup& old, int rank,
-                                  int world, const RankEnv& env) {
+                                  int world, const RankEnv& env,
+                                  std::chrono::milliseconds rendezvous_timeout = std::chrono::milliseconds(0)) {
   ++generation();
   ProcessGroupOptions options = session.options;
   options.rank = rank;
   options.world_size = world;
+  options.rendezvous_timeout = rendezvous_timeout;
   options.store_prefix = generation_group_prefix(generation());
   options.is_store_server = false;  // the store lives on in old rank 0's parked group
   parked_groups().push_back(old);

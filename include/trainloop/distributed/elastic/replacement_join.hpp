@@ -17,9 +17,11 @@
 #include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <chrono>
 #include <cstdint>
+#include <iostream>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -31,6 +33,10 @@ namespace trainloop::distributed::elastic {
 struct Grown {
   GrowDecision decision;  ///< the replacements admitted, and how the state goes to them
   int old_world = 0;      ///< ranks before
+  /// Why the grown group did not form (a replacement lost between its admission and the group's
+  /// rendezvous): the members formed their own group again and go on without the replacements.
+  /// Empty when it formed.
+  std::string not_formed;
 };
 
 /// On every member, at the boundary its ranks agreed on: rank 0 admits up to `waiting`
@@ -39,11 +45,13 @@ struct Grown {
 /// empty when it comes over the new group), and every member joins the next generation's group
 /// with them.
 /// None may be left to admit (the ones that waited died since): the group is then formed again
-/// without newcomers.
+/// without newcomers. The rendezvous waits at most `rendezvous_timeout` for the replacements; when
+/// a member could not form the grown group, every member forms its own group again (the next
+/// generation, without the replacements: Grown::not_formed says why).
 /// @throws trainloop::CommunicationError when rank 0's decision does not come (rank 0 lost).
 template <class HandOffsFor>
 Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::int64_t step, HandOffsFor&& hand_offs_for,
-               std::chrono::milliseconds timeout) {
+               std::chrono::milliseconds timeout, std::chrono::milliseconds rendezvous_timeout) {
   auto& session = ::trainloop::distributed::detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
   const ProcessGroup old = session.group;
@@ -61,14 +69,29 @@ Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::
     grown.decision = read_admissions(store, generation, timeout);
   }
   const int world = grown.old_world + static_cast<int>(grown.decision.joined.size());
-  detail::next_generation_group(session, old, old.rank(), world, env);
+  std::string failure;
+  try {
+    detail::next_generation_group(session, old, old.rank(), world, env, rendezvous_timeout);
+  } catch (const CommunicationError& error) {
+    failure = error.what();
+    failure = failure.substr(0, failure.find('\n'));
+  }
+  const int grown_generation = detail::generation();
+  grown.not_formed = agree_on_growth(store, grown_generation, old.rank(), grown.old_world, failure, timeout);
+  if (grown.not_formed.empty()) return grown;
+  if (failure.empty()) detail::parked_groups().push_back(session.group);  // formed here, not everywhere
+  detail::next_generation_group(session, old, old.rank(), grown.old_world, env);
+  grown.decision.over_group = false;  // every member holds the state it resumes from
   return grown;
 }
 
 /// In a replacement (awaiting_admission()): asks to join, waits until rank 0 admits it, and joins
-/// the group it is admitted to (`options`: the engine's backend, device and timeout). Returns the
-/// admission; nothing when the fit ended before it was admitted (or before it could ask).
-inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessGroupOptions options) {
+/// the group it is admitted to (`options`: the engine's backend, device and timeout; its rendezvous
+/// waits at most `rendezvous_timeout`, as the members'). Returns the admission; nothing when the fit
+/// ended before it was admitted (or before it could ask), or when the grown group did not form on
+/// every member (they go on without it: grow_job).
+inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessGroupOptions options,
+                                                    std::chrono::milliseconds timeout, std::chrono::milliseconds rendezvous_timeout) {
   options.rank = env.rank;  // only to reach the store as a client
   options.world_size = env.world_size;
   options.master_addr = env.master_addr;
@@ -87,13 +110,32 @@ inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessG
   const std::int64_t ticket = ask_to_join(*store, env.rank);
   std::optional<Admission> admission = wait_for_admission(*store, ticket);
   if (!admission) return std::nullopt;
+  progress::test_kill_point(progress::KillPoint::Join, admission->step + 1);
   auto& session = ::trainloop::distributed::detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
   detail::generation() = admission->generation;
   options.rank = admission->rank;
   options.world_size = admission->world_size;
   options.store_prefix = detail::generation_group_prefix(admission->generation);
-  session.group = ProcessGroup::create(options);
+  options.rendezvous_timeout = rendezvous_timeout;
+  ProcessGroup group;
+  std::string failure;
+  try {
+    group = ProcessGroup::create(options);
+  } catch (const CommunicationError& error) {
+    failure = error.what();
+  }
+  const std::string not_formed = verdict_of_growth(*store, admission->generation, timeout);
+  if (!not_formed.empty()) {
+    if (group.valid()) detail::parked_groups().push_back(group);  // the members left it
+    std::cerr << "trainloop: this replacement for rank " << env.rank << " was admitted, but the grown group did not form ("
+              << not_formed << "); the job goes on without it and this process ends\n";
+    return std::nullopt;
+  }
+  TRAINLOOP_CHECK(failure.empty(), "the grown group formed on every member but not in this replacement (", failure,
+                  "); expected the same rendezvous everywhere");
+  options.rendezvous_timeout = std::chrono::milliseconds(0);
+  session.group = group;
   session.group.log_collectives();
   session.options = options;
   publish_identity(*session.group.job_store(), GenerationKeys(admission->generation), admission->rank);

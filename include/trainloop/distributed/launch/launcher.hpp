@@ -364,7 +364,14 @@ inline void Launcher::start_replacements(const std::vector<int>& lost_ranks, con
   for (int rank : lost_ranks) {
     const auto same_rank = [rank](const RankProcess& process) { return process.rank == rank; };
     const int started = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), same_rank)) - 1;
-    if (started >= options_.max_replacements()) continue;
+    if (started >= options_.max_replacements()) {
+      if (started > 0) {
+        std::cerr << "trainloop: rank " << rank << " was lost again and its " << started << " replacement"
+                  << (started == 1 ? " is" : "s are") << " used up (max_replacements " << options_.max_replacements()
+                  << "); the others go on without it\n";
+      }
+      continue;
+    }
     RankProcess process;
     process.rank = rank;
     process.local_rank = std::find_if(ranks_.begin(), ranks_.end(), same_rank)->local_rank;
