@@ -63,11 +63,12 @@ void expect_same_end(const std::string& name, WorkerRun& elastic, WorkerRun& del
 
 /// Runs ddp_worker with `world` ranks, elastic, one rank killed as `kill` says (rank:step:phase),
 /// then the deliberate reference: `world` ranks writing a checkpoint every step, that step's
-/// checkpoint resumed on world-1 ranks. Both must end alike, bit for bit. `mode` (a sharding
+/// checkpoint resumed on `survivors` ranks (0: world-1). Both must end alike, bit for bit. `mode` (a sharding
 /// level) applies to all three runs, `extra` to the elastic one.
 void lost_rank_equals_deliberate_change(const std::string& name, int world, const std::string& kill,
                                         const std::string& extra = "", const std::string& mode = "",
-                                        const std::vector<std::string>& expected_in_log = {}) {
+                                        const std::vector<std::string>& expected_in_log = {}, int survivors = 0) {
+  if (survivors == 0) survivors = world - 1;
   const fs::path dir = fresh_dir("elastic_" + name);
   WorkerRun elastic = run_worker("ckpt", world, 0,
                                  common_settings() + mode + extra + "TL_TEST_ELASTIC=1 TL_TEST_CKPT_DIR=" + (dir / "elastic").string() +
@@ -86,7 +87,7 @@ void lost_rank_equals_deliberate_change(const std::string& name, int world, cons
   BOOST_REQUIRE_MESSAGE(before.exit_code == 0, before.output);
   const fs::path resumed_checkpoint = checkpoint_after(dir / "before", committed, (kSamples + 4 * world - 1) / (4 * world));
   BOOST_REQUIRE_MESSAGE(fs::exists(resumed_checkpoint), resumed_checkpoint.string());
-  WorkerRun after = run_worker("ckpt", world - 1, 0,
+  WorkerRun after = run_worker("ckpt", survivors, 0,
                                common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / "after").string() +
                                    " TL_TEST_RESUME=" + resumed_checkpoint.string(),
                                "_after_" + name);
@@ -294,6 +295,16 @@ BOOST_AUTO_TEST_CASE(a_replacement_lost_before_the_grown_group_forms_leaves_the_
                                      "TL_TEST_REPLACEMENTS=1 TRAINLOOP_TEST_AWAIT_REPLACEMENT=5 TL_TEST_ELASTIC_WAIT_MS=3000 ", "",
                                      {"started a replacement for rank 2", "admitted at step 6 was lost before the grown group formed",
                                       "rank 2 was lost again and its 1 replacement is used up"});
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(a_second_loss_before_the_next_commit_resumes_from_the_same_step) {
+  // Rank 2 dies inside the checkpoint write after step 2 (step 2 committed): ranks 0 and 1 go on
+  // from step 2 with 2 ranks; rank 1 dies in its forward of step 3, before any step of the new
+  // group is committed: rank 0 resumes from step 2 again (the hand-off it kept), alone — not from
+  // the fit's start. The end equals 3 ranks that became 1 at step 2 on purpose, bit for bit.
+  lost_rank_equals_deliberate_change("second_loss", 3, "2:2:checkpoint,1:3:forward", "TL_TEST_EVERY_STEPS=1 ", "",
+                                     {"rank 1 (pid", "continuing with 1 rank (regrouped"}, 1);
   BOOST_TEST(hand_off_files_left() == 0);
 }
 

@@ -18,10 +18,10 @@
 /// another type — the archive holds the live tensor, complete() is false, and the optimizer step
 /// waits for the stream as before. Either way the file is the foreground's, value for value.
 ///
-/// ~100 M-parameter MLP with Adam, 1.2 GB, plain DDP on 2 CPU ranks (AMD EPYC, 2 cores): training
-/// blocked 2,104 ms per checkpoint (median) while the step waited for the stream, 4,984 ms in the
-/// foreground (`benchmarks/run_checkpoint_stall.sh build 2 none --every 4 --steps 16`); with the
-/// copy: benchmarks/README.md ("checkpoint_stall").
+/// ~100 M-parameter MLP with Adam, 1.2 GB, plain DDP on 2 CPU ranks (AMD EPYC, 2 cores,
+/// `benchmarks/run_checkpoint_stall.sh build 2 none --every 4 --steps 16`): training blocked 753 ms
+/// per checkpoint (median) with the copy, 2,076 ms when the step waited for the stream, 4,506 ms in
+/// the foreground; the total cost the same within the spread (benchmarks/README.md, "checkpoint_stall").
 
 #include <torch/torch.h>
 

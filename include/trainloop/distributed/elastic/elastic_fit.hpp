@@ -9,10 +9,11 @@
 /// epoch is counted once. The step in flight is redone by the survivors; no committed step is lost.
 ///
 /// The hand-off passes through a file in memory (/dev/shm where there is one, else the run
-/// directory): the loop resumes from a checkpoint archive, and an archive is what it reads. Each
-/// process removes its file as soon as it is loaded. Nothing is read from the job's checkpoints.
-/// Before any step of the fit was committed, the survivors start the fit again from where it
-/// started (the caller's state, or the checkpoint it resumed).
+/// directory): the loop resumes from a checkpoint archive, and an archive is what it reads. A
+/// replicated hand-off stays until the next step is committed (PendingHandOff): a second loss before
+/// that commit resumes from it again; a sharded one is removed as soon as it is loaded. Nothing is
+/// read from the job's checkpoints. Before any step of the fit was committed, the survivors start
+/// the fit again from where it started (the caller's state, or the checkpoint it resumed).
 ///
 /// Replacements (replacement_join.hpp): at the step boundary the ranks agreed on, every member
 /// leaves the fit (ReplacementsJoin), the group grows by the replacements admitted, and every rank
@@ -70,6 +71,51 @@ struct ElasticFitParts {
   ProcessGroupOptions group_options;  ///< a replacement's group: backend, device, timeout
 };
 
+/// @brief The replicated hand-off this process resumed from last, kept until the next commit: a
+/// second loss before that commit resumes from it again, since the loop's state is still that
+/// step's (without it the survivors would start the fit again from its start). Removed after that
+/// commit, when the fit ends, and by the launcher when the process is killed.
+class PendingHandOff {
+ public:
+  PendingHandOff() = default;
+  PendingHandOff(const PendingHandOff&) = delete;
+  PendingHandOff& operator=(const PendingHandOff&) = delete;
+  ~PendingHandOff() { drop(); }
+
+  /// The step it holds; -1 when there is none.
+  std::int64_t step() const { return step_; }
+  /// Its file.
+  const std::filesystem::path& path() const { return path_; }
+
+  /// `next` resumes from a replicated hand-off of step `step` (one file): it is kept (not removed
+  /// once loaded) until `commits`' next commit. A sharded hand-off (a directory) is not kept.
+  void keep(::trainloop::detail::ResumeSpec& next, std::int64_t step, StepCommitter& commits) {
+    std::error_code error;
+    if (next.candidates.size() != 1 || !std::filesystem::is_regular_file(next.candidates.front(), error)) {
+      drop();
+      return;
+    }
+    if (next.candidates.front() != path_) drop();
+    next.consume = false;
+    path_ = next.candidates.front();
+    step_ = step;
+    commits.after_next_commit([this] { drop(); });
+  }
+
+  /// Removes it (nothing when there is none).
+  void drop() {
+    if (path_.empty()) return;
+    std::error_code ignored;  // gone already: nothing to report
+    std::filesystem::remove(path_, ignored);
+    path_.clear();
+    step_ = -1;
+  }
+
+ private:
+  std::filesystem::path path_;
+  std::int64_t step_ = -1;
+};
+
 namespace detail {
 
 /// Where this process's hand-off file of about `bytes` goes (see the file comment): /dev/shm when
@@ -124,11 +170,13 @@ inline bool may_be_a_lost_rank(const std::exception& error) {
 /// fit resumes from; nothing when no rank was lost (the caller rethrows its error).
 inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(const ::trainloop::detail::FitActions& actions,
                                                                            const ::trainloop::detail::ResumeSpec& start,
-                                                                           const ElasticFitParts& parts) {
+                                                                           const ElasticFitParts& parts, PendingHandOff& pending) {
   const auto began = std::chrono::steady_clock::now();
   ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
+  // Nothing committed since the last hand-off was loaded: the loop's state is still its step's.
+  const bool holds_pending = !copies && pending.step() >= 0 && parts.commits->committed_step() < 0;
   // Sharded state: the newest step whose copies this rank holds whole; otherwise the newest commit.
-  const std::int64_t held = copies ? copies->newest_step() : parts.commits->committed_step();
+  const std::int64_t held = copies ? copies->newest_step() : holds_pending ? pending.step() : parts.commits->committed_step();
   std::optional<Regrouped> regrouped = regroup_job(*parts.env, held, parts.elastic_wait);
   if (!regrouped) return std::nullopt;
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
@@ -153,18 +201,28 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
     // nothing travels (for the 100 M MLP the copy over Gloo took ~5 s of a 6 s hand-off).
     // (TRAINLOOP_TEST_ELASTIC_SHARE: tests take the path of survivors a step apart, which timing decides.)
     const bool own_state = m.all_committed && std::getenv("TRAINLOOP_TEST_ELASTIC_SHARE") == nullptr;
+    // That step is the kept hand-off's (a second loss before the next commit): its file is the state.
+    const bool from_pending = holds_pending && m.committed_step == pending.step();
+    auto write_state = [&](const std::filesystem::path& path) {
+      if (!from_pending) return actions.save_committed(path);
+      std::error_code not_linked;  // a link where the file system allows one, else a copy
+      std::filesystem::create_hard_link(pending.path(), path, not_linked);
+      if (not_linked) std::filesystem::copy_file(pending.path(), path, std::filesystem::copy_options::overwrite_existing);
+    };
     const std::filesystem::path file =
         own_state ? [&] {
+          if (from_pending) return pending.path();
           const std::filesystem::path own = detail::hand_off_path(*parts.env, generation, parts.state_bytes ? parts.state_bytes() : 0);
           actions.save_committed(own);
           return own;
         }()
                         : detail::share_file(
         group, regrouped->holder_rank, parts.state_bytes ? parts.state_bytes() : 0,
-        [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); },
-        [&](const std::filesystem::path& path) { actions.save_committed(path); });
+        [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); }, write_state);
     next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
-    next.consume = true;
+    pending.keep(next, m.committed_step, *parts.commits);
+  } else {
+    pending.drop();  // the fit starts again from its start
   }
   // The step in flight: after the newest commit (sharded state: this rank's; its copies may be older).
   const std::int64_t in_flight = (copies ? parts.commits->committed_step() : m.committed_step) + 1;
@@ -215,7 +273,8 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
 /// machine reads rank 0's (replicated: a link to rank 0's file, its own to consume); when one runs
 /// on another machine, rank 0 sends the state to every rank over the grown group.
 inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::detail::FitActions& actions,
-                                                          const ReplacementsJoin& join, const ElasticFitParts& parts) {
+                                                          const ReplacementsJoin& join, const ElasticFitParts& parts,
+                                                          PendingHandOff& pending) {
   const auto began = std::chrono::steady_clock::now();
   ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
   const std::int64_t step = copies ? copies->newest_step() : parts.commits->committed_step();
@@ -260,6 +319,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
   }
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
   ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, grown.decision.over_group, own, parts);
+  pending.keep(next, step, *parts.commits);
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::ostringstream line;
@@ -290,12 +350,14 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
 /// returns what it resumes from (the step they resume from, handed over); throws
 /// FitEndedBeforeAdmission when the fit ended first.
 inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detail::FitActions& actions,
-                                                        const ElasticFitParts& parts) {
+                                                        const ElasticFitParts& parts, PendingHandOff& pending) {
   std::optional<Admission> admission =
       join_as_replacement(*parts.env, parts.group_options, parts.elastic_wait + std::chrono::seconds(30), parts.elastic_wait);
   if (!admission) throw FitEndedBeforeAdmission();
-  return admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off.empty(),
-                            admission->hand_off, parts);
+  ::trainloop::detail::ResumeSpec next = admission_hand_off(
+      actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off.empty(), admission->hand_off, parts);
+  pending.keep(next, admission->step, *parts.commits);
+  return next;
 }
 
 /// The loop's fit, again from the committed state with the survivors after each lost rank, and
@@ -303,7 +365,13 @@ inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detai
 /// a lost rank's consequence end the fit as they would without elastic training.
 inline History train_elastic(const ::trainloop::detail::FitActions& actions, const ::trainloop::detail::ResumeSpec& start,
                              const ElasticFitParts& parts) {
-  ::trainloop::detail::ResumeSpec from = awaiting_admission() ? join_running_fit(actions, parts) : start;
+  PendingHandOff pending;
+  // The commits' hook points at `pending`: it goes before `pending` does, however the fit ends.
+  struct HookReset {
+    StepCommitter* commits;
+    ~HookReset() { commits->after_next_commit(nullptr); }
+  } hook_reset{parts.commits};
+  ::trainloop::detail::ResumeSpec from = awaiting_admission() ? join_running_fit(actions, parts, pending) : start;
   for (;;) {
     try {
       History history = actions.train(from);
@@ -311,11 +379,11 @@ inline History train_elastic(const ::trainloop::detail::FitActions& actions, con
       if (group.valid() && group.rank() == 0) close_admissions(*group.job_store());  // replacements still waiting end
       return history;
     } catch (const ReplacementsJoin& join) {
-      from = admit_replacements(actions, join, parts);
+      from = admit_replacements(actions, join, parts, pending);
     } catch (const std::exception& error) {
       const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
       if (!detail::may_be_a_lost_rank(error) || !group.valid() || group.world_size() == 1) throw;
-      std::optional<::trainloop::detail::ResumeSpec> next = recover_from_lost_rank(actions, start, parts);
+      std::optional<::trainloop::detail::ResumeSpec> next = recover_from_lost_rank(actions, start, parts, pending);
       if (!next) throw;
       from = *next;
     }

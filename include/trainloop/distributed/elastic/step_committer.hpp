@@ -20,7 +20,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace trainloop::distributed::elastic {
@@ -57,8 +59,13 @@ class StepCommitter {
       }
       committed_buffers_[i].copy_(buffers[i]);
     }
+    if (after_next_commit_) std::exchange(after_next_commit_, nullptr)();
     progress::test_kill_point(progress::KillPoint::Optimizer);
   }
+
+  /// Runs `action` once, right after the next commit (of this fit or the next: begin_fit() keeps
+  /// it); empty: none. elastic_fit.hpp drops the hand-off it resumed from there.
+  void after_next_commit(std::function<void()> action) { after_next_commit_ = std::move(action); }
 
   /// How many replacements the ranks agreed at the last commit are waiting to join (admission.hpp).
   std::int64_t joins_waiting() const { return record_.joins_waiting(); }
@@ -88,6 +95,7 @@ class StepCommitter {
   CommitRecord record_;
   torch::Tensor staged_totals_;
   std::vector<torch::Tensor> committed_buffers_;
+  std::function<void()> after_next_commit_;
 };
 
 }  // namespace trainloop::distributed::elastic
