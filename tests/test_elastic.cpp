@@ -12,8 +12,14 @@
 // with momentum, 60 samples (5 steps an epoch on 3 ranks, 8 on 2).
 
 #include "ddp_test_support.hpp"
+#include "two_node_network.hpp"
 
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <string>
@@ -337,5 +343,255 @@ BOOST_AUTO_TEST_CASE(losing_rank_zero_ends_the_job_named_and_leaves_nothing) {
   BOOST_TEST(leftover_workers() == 0);
   BOOST_TEST(hand_off_files_left() == 0);
   fs::remove_all(run.dir);
+  fs::remove_all(dir);
+}
+
+// ---- Several machines ------------------------------------------------------------------------
+// Two "machines" (two_node_network.hpp): each node of ddp_worker runs in its own network
+// namespace, with its own host name and its own /dev/shm, so no machine can read another's
+// hand-off: what crosses machines goes over the group. A rank on the other machine is judged lost
+// after elastic_wait (3 s here) without a word.
+
+namespace {
+
+/// The output, exit statuses, results and hand-off files left of a 2-node elastic job.
+struct TwoMachineRun {
+  int exit_code = -1;                           ///< both nodes' summed
+  int node_exit_code[2] = {-1, -1};             ///< each node's
+  std::string output[2];                        ///< each node's
+  std::map<std::string, double> result;         ///< node 0's caller's result file
+  fs::path params[2];                           ///< each node's caller's trained parameters
+  int left[2] = {-1, -1};                       ///< elastic files left in each machine's /dev/shm
+};
+
+/// Runs ddp_worker's "ckpt" scenario as 2 machines of `per_node` ranks each (both nodes' ranks
+/// numbered node * per_node + local rank), with `settings`; its checkpoints in `dir`/ckpt.
+TwoMachineRun run_two_machines(trainloop_test::TwoNodeNetwork& network, const fs::path& dir, int per_node,
+                               const std::string& settings) {
+  std::string nodes[2];
+  for (int node = 0; node < 2; ++node) {
+    const fs::path out = dir / ("node" + std::to_string(node));
+    fs::create_directories(out / "tmp");
+    nodes[node] = network.machine(node,
+                                  "env TMPDIR=" + (out / "tmp").string() + " " + network.node_env(node) + " " + settings +
+                                      " TL_TEST_CKPT_DIR=" + (dir / "ckpt").string() + " " + test_program("ddp_worker") +
+                                      " ckpt " + std::to_string(per_node) + " " + out.string() + " 29731 > " +
+                                      (dir / ("node" + std::to_string(node) + ".log")).string() + " 2>&1",
+                                  dir / ("left" + std::to_string(node)));
+  }
+  auto [status, shell_output] =
+      trainloop_test::shell("(" + nodes[0] + " & " + nodes[1] + "; s1=$?; wait %1; s0=$?; echo \"exit statuses $s0 $s1\")");
+  TwoMachineRun run;
+  std::smatch statuses;
+  const bool ended = status == 0 && std::regex_search(shell_output, statuses, std::regex("exit statuses ([0-9]+) ([0-9]+)"));
+  run.node_exit_code[0] = ended ? std::stoi(statuses[1]) : -1;
+  run.node_exit_code[1] = ended ? std::stoi(statuses[2]) : -1;
+  run.exit_code = ended ? run.node_exit_code[0] + run.node_exit_code[1] : -1;
+  for (int node = 0; node < 2; ++node) {
+    std::ifstream log(dir / ("node" + std::to_string(node) + ".log"));
+    run.output[node].assign(std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>());
+    run.params[node] = dir / ("node" + std::to_string(node)) / "params.pt";
+    std::ifstream left(dir / ("left" + std::to_string(node)));
+    left >> run.left[node];
+  }
+  run.output[0] += shell_output;
+  run.result = read_result(dir / "node0" / "result.txt");
+  return run;
+}
+
+/// The two-machine run ended as the deliberate one on one machine (`deliberate`): both machines'
+/// callers hold its parameters bit for bit, every sample of every epoch counted once, each epoch's
+/// loss and accuracy and the last validation loss equal, and no hand-off left on either machine.
+void expect_same_end_on_both_machines(const std::string& name, const TwoMachineRun& elastic, WorkerRun& deliberate) {
+  const torch::Tensor changed = load_params((deliberate.dir / "params.pt").string());
+  for (int node = 0; node < 2; ++node) {
+    const torch::Tensor ended = load_params(elastic.params[node].string());
+    BOOST_TEST_MESSAGE(name << ": node " << node << ": max |elastic - deliberate| = " << (ended - changed).abs().max().item<double>());
+    BOOST_TEST(torch::equal(ended, changed), name << ": node " << node << "'s parameters differ from the deliberate change");
+    BOOST_TEST(elastic.left[node] == 0, name << ": node " << node << " left " << elastic.left[node] << " hand-off files");
+  }
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
+    const std::string key = "epoch" + std::to_string(epoch);
+    BOOST_TEST(elastic.result.at(key + "_samples") == kSamples, name << " " << key);
+    BOOST_TEST(elastic.result.at(key + "_loss") == deliberate.result[key + "_loss"], name << " " << key);
+    BOOST_TEST(elastic.result.at(key + "_accuracy") == deliberate.result[key + "_accuracy"], name << " " << key);
+  }
+  BOOST_TEST(elastic.result.at("val_loss") == deliberate.result["val_loss"]);
+}
+
+/// Skips (with ctest's marker) where two machines cannot be made here; true when they can.
+bool two_machines_or_skip(trainloop_test::TwoNodeNetwork& network) {
+  if (network.machines_ready()) return true;
+  std::cout << "TRAINLOOP_TEST_SKIPPED: two machines cannot be made here (network, mount and UTS namespaces need root "
+               "and iproute2): " << network.error << std::endl;
+  return false;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_sharded_job_on_two_machines_loses_a_rank_and_ends_as_four_ranks_that_became_three_would) {
+  // Ranks 0, 1 on machine 0 and 2, 3 on machine 1, sharding full; rank 2 dies in its forward of
+  // step 3. Its shards come from rank 1's copy (machine 0), the survivors' from their own: machine 0
+  // writes files 0, 1, 2, `.metadata` and the loop's state, machine 1 file 3, and each gets what it
+  // lacks from the other. The end equals 4 ranks that became 3 at step 2 on purpose (on one machine).
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const std::string mode = "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ";
+  const fs::path dir = fresh_dir("elastic_two_machines_loss");
+  const TwoMachineRun elastic = run_two_machines(
+      network, dir / "elastic", 2, common_settings() + mode + "TL_TEST_ELASTIC_WAIT_MS=3000 TRAINLOOP_TEST_KILL_AT=2:3:forward");
+  BOOST_TEST_MESSAGE("machine 0: " << elastic.output[0] << "\nmachine 1: " << elastic.output[1]);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output[0] + elastic.output[1]);
+  BOOST_TEST(elastic.output[0].find("continuing with 3 ranks") != std::string::npos, elastic.output[0]);
+  const int committed = resumed_from_step(elastic.output[0]);
+
+  WorkerRun before = run_worker("ckpt", 4, 0, common_settings() + mode + "TL_TEST_EVERY_STEPS=1 TL_TEST_CKPT_DIR=" + (dir / "before").string(),
+                                "_two_machines_before");
+  BOOST_REQUIRE_MESSAGE(before.exit_code == 0, before.output);
+  const fs::path resumed = checkpoint_after(dir / "before", committed, 4);  // 60 samples, 16 a step
+  BOOST_REQUIRE_MESSAGE(fs::exists(resumed), resumed.string());
+  WorkerRun after = run_worker("ckpt", 3, 0,
+                               common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / "after").string() + " TL_TEST_RESUME=" + resumed.string(),
+                               "_two_machines_after");
+  BOOST_REQUIRE_MESSAGE(after.exit_code == 0, after.output);
+  BOOST_TEST_MESSAGE("resumed from step " << committed);
+  expect_same_end_on_both_machines("two machines, sharding full", elastic, after);
+  BOOST_TEST(leftover_workers() == 0);
+  for (auto* run : {&before, &after}) fs::remove_all(run->dir);
+  fs::remove_all(dir);
+}
+
+namespace {
+
+/// 2 machines of one rank each; rank 1 (machine 1) dies in its forward of step 3, rank 0 goes on
+/// alone from step 2, and machine 1's launcher starts a replacement there, admitted at the commit
+/// of step 5 — on a machine where no member runs, so the state goes to it over the grown group
+/// (`mode`: replicated, the loop's state from rank 0; sharded, machine 0's copy of the per-rank
+/// checkpoint to a new copy on machine 1). The deliberate reference changes its world size at the
+/// same steps on one machine: 2 ranks to step 2, 1 to step 5, 2 to the end. Both end alike.
+void replacement_on_another_machine(const std::string& name, const std::string& mode) {
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const fs::path dir = fresh_dir("elastic_two_machines_join_" + name);
+  const TwoMachineRun elastic =
+      run_two_machines(network, dir / "elastic", 1,
+                       common_settings() + mode +
+                           "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=1 TL_TEST_ELASTIC_WAIT_MS=3000 "
+                           "TRAINLOOP_TEST_KILL_AT=1:3:forward TRAINLOOP_TEST_AWAIT_REPLACEMENT=5");
+  BOOST_TEST_MESSAGE(name << ": machine 0: " << elastic.output[0] << "\nmachine 1: " << elastic.output[1]);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output[0] + elastic.output[1]);
+  BOOST_TEST(resumed_from_step(elastic.output[0]) == 2);
+  BOOST_TEST(elastic.output[1].find("started a replacement for rank 1") != std::string::npos, elastic.output[1]);
+  BOOST_TEST(elastic.output[0].find("joined at step 6 as rank 1; continuing with 2 ranks") != std::string::npos, elastic.output[0]);
+
+  auto run = [&](const std::string& part, int world, const std::string& settings) {
+    WorkerRun result = run_worker("ckpt", world, 0, common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / part).string() + settings,
+                                  "_two_machines_join_" + part + "_" + name);
+    BOOST_REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+    return result;
+  };
+  WorkerRun before = run("before", 2, " TL_TEST_EVERY_STEPS=1");
+  const fs::path step2 = checkpoint_after(dir / "before", 2, 8);  // 60 samples, 8 a step on 2 ranks
+  WorkerRun middle = run("middle", 1, " TL_TEST_EVERY_STEPS=1 TL_TEST_RESUME=" + step2.string());
+  const fs::path step5 = checkpoint_after(dir / "middle", 5, 15);  // 4 a step on 1
+  BOOST_REQUIRE_MESSAGE(fs::exists(step5), step5.string());
+  WorkerRun after = run("after", 2, " TL_TEST_RESUME=" + step5.string());
+  expect_same_end_on_both_machines(name, elastic, after);
+  BOOST_TEST(leftover_workers() == 0);
+  for (auto* worker : {&before, &middle, &after}) fs::remove_all(worker->dir);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_replacement_on_another_machine_gets_the_replicated_state_over_the_group) {
+  replacement_on_another_machine("replicated", "");
+}
+
+BOOST_AUTO_TEST_CASE(a_replacement_on_another_machine_with_one_rank_left_gets_its_state_over_the_group) {
+  // At sharding full too: one rank left holds the whole state (no copies at world size 1).
+  replacement_on_another_machine("full", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+}
+
+namespace {
+
+/// The checkpoint ModelCheckpoint wrote after global step `step` in `dir`, whatever its epoch.
+fs::path checkpoint_at_step(const fs::path& dir, int step) {
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, "-step=%06d.ckpt", step);
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > std::strlen(suffix) && name.compare(name.size() - std::strlen(suffix), std::string::npos, suffix) == 0) {
+      return entry.path();
+    }
+  }
+  BOOST_FAIL("no checkpoint of step " << step << " in " << dir.string());
+  return {};
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(replacements_on_a_machine_left_empty_get_a_copy_of_the_sharded_state_there) {
+  // 2 machines of 2 ranks at sharding full: rank 2 dies in its forward of step 3, rank 3 in its
+  // forward of step 5 (machine 1 has no member left), and machine 1's launcher starts a replacement
+  // for each, both admitted at the commit of step 7: the members' copies are on machine 0 only, so
+  // machine 1 gets a new copy of the per-rank checkpoint, every file sent from machine 0. The end
+  // equals 4 ranks that became 3 and then 2 at the same steps and 4 again at step 7, bit for bit.
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const std::string mode = "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ";
+  const fs::path dir = fresh_dir("elastic_two_machines_emptied");
+  const TwoMachineRun elastic =
+      run_two_machines(network, dir / "elastic", 2,
+                       common_settings() + mode +
+                           "TL_TEST_REPLACEMENTS=1 TL_TEST_ELASTIC_WAIT_MS=3000 "
+                           "TRAINLOOP_TEST_KILL_AT=2:3:forward,3:5:forward TRAINLOOP_TEST_AWAIT_REPLACEMENT=7");
+  BOOST_TEST_MESSAGE("machine 0: " << elastic.output[0] << "\nmachine 1: " << elastic.output[1]);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output[0] + elastic.output[1]);
+  std::vector<int> resumed;  // the step each loss resumed from
+  static const std::regex pattern("lost at step [0-9]+: .*?from step ([0-9]+) held by rank");
+  for (std::sregex_iterator at(elastic.output[0].begin(), elastic.output[0].end(), pattern), end; at != end; ++at) {
+    resumed.push_back(std::stoi((*at)[1]));
+  }
+  BOOST_REQUIRE_MESSAGE(resumed.size() == 2, elastic.output[0]);
+  BOOST_TEST(elastic.output[0].find("joined at step 8 as rank 2; continuing with 4 ranks") != std::string::npos, elastic.output[0]);
+  BOOST_TEST(elastic.output[0].find("joined at step 8 as rank 3; continuing with 4 ranks") != std::string::npos, elastic.output[0]);
+
+  auto run = [&](const std::string& part, int world, const std::string& settings) {
+    WorkerRun result = run_worker("ckpt", world, 0, common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / part).string() + settings,
+                                  "_two_machines_emptied_" + part);
+    BOOST_REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+    return result;
+  };
+  WorkerRun four = run("four", 4, " TL_TEST_EVERY_STEPS=1");
+  WorkerRun three = run("three", 3, " TL_TEST_EVERY_STEPS=1 TL_TEST_RESUME=" + checkpoint_at_step(dir / "four", resumed[0]).string());
+  WorkerRun two = run("two", 2, " TL_TEST_EVERY_STEPS=1 TL_TEST_RESUME=" + checkpoint_at_step(dir / "three", resumed[1]).string());
+  WorkerRun after = run("after", 4, " TL_TEST_RESUME=" + checkpoint_at_step(dir / "two", 7).string());
+  BOOST_TEST_MESSAGE("resumed from steps " << resumed[0] << " and " << resumed[1] << ", grown at step 7");
+  expect_same_end_on_both_machines("emptied machine, sharding full", elastic, after);
+  BOOST_TEST(leftover_workers() == 0);
+  for (auto* worker : {&four, &three, &two, &after}) fs::remove_all(worker->dir);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_machine_whose_every_rank_is_lost_ends_named_while_the_job_goes_on_without_it) {
+  // 2 machines of one rank each, no replacements: rank 1 dies in its forward of step 3. Machine 0's
+  // rank trains to the end (every sample of both epochs once, exit status 0); machine 1's fit() has
+  // no rank left to hand it the trained state and ends naming why, with nothing left in /dev/shm.
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const fs::path dir = fresh_dir("elastic_two_machines_lost");
+  const TwoMachineRun run = run_two_machines(
+      network, dir, 1, common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_ELASTIC_WAIT_MS=3000 TRAINLOOP_TEST_KILL_AT=1:3:forward");
+  BOOST_TEST_MESSAGE("machine 0: " << run.output[0] << "\nmachine 1: " << run.output[1]);
+  BOOST_TEST(run.node_exit_code[0] == 0, run.output[0]);
+  BOOST_TEST(run.node_exit_code[1] != 0, run.output[1]);
+  BOOST_TEST(run.output[0].find("continuing with 1 rank") != std::string::npos, run.output[0]);
+  BOOST_TEST(run.output[1].find("every rank this launcher started was lost (1) and no replacement joined") != std::string::npos,
+             run.output[1]);
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) BOOST_TEST(run.result.at("epoch" + std::to_string(epoch) + "_samples") == kSamples);
+  BOOST_TEST(run.left[0] == 0);
+  BOOST_TEST(run.left[1] == 0);
+  BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(dir);
 }

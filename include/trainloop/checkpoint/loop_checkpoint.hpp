@@ -67,8 +67,9 @@ inline bool resume_first_readable(const ResumeSpec& resume, bool is_main,
       if (resume.consume) {
         std::error_code ignored;  // nothing to report if it is gone
         if (std::filesystem::is_directory(resume.candidates[i], ignored)) {
-          // A per-rank checkpoint every rank read: every rank passed the agreement above, so rank 0 removes it.
-          if (is_main) std::filesystem::remove_all(resume.candidates[i], ignored);
+          // A per-rank checkpoint every rank read: every rank passed the agreement above, so its holder
+          // removes it (rank 0; on several machines each machine's copy has its own: elastic/machine_directory.hpp).
+          if (resume.removes_directory.value_or(is_main)) std::filesystem::remove_all(resume.candidates[i], ignored);
         } else {
           std::filesystem::remove(resume.candidates[i], ignored);  // a file of this process only
         }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,6 +66,9 @@ struct ResumeSpec {
   std::string description;                        ///< what was asked for, for messages
   bool announce = true;                           ///< say on stderr which checkpoint was resumed
   bool consume = false;                           ///< remove the file once loaded (elastic training's hand-off)
+  /// A consumed directory (a per-rank checkpoint every rank reads) is removed by this rank when
+  /// true, by none when false (another rank holds it), by the main rank when unset.
+  std::optional<bool> removes_directory = std::nullopt;
 };
 
 /// How often the job was restarted after a failure: trainloop's launcher (max_restarts) or

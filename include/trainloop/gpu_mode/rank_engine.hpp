@@ -265,12 +265,6 @@ class RankEngine {
     if (group_->world_size() > 1) buffers_ = module_->buffers();
     commits_.begin_fit();
     share_copies_.reset();
-    // The hand-off of sharded state after a loss is a per-rank checkpoint in this machine's memory.
-    TRAINLOOP_CHECK(!mode_.elastic() || sharded_.state() == distributed::ShardedState::State::Replicated ||
-                        env_->world_size == env_->local_world_size,
-                    "elastic training of sharded state (ZeRO) on ", env_->world_size / std::max(env_->local_world_size, 1),
-                    " machines; expected one machine in this release (the survivors hand the shards on through its "
-                    "memory), or elastic training without sharding (docs/elastic.md)");
   }
   /// Elastic training: the step's commit, once its gradients are reduced and before the optimizer
   /// steps (a collective; nothing without elastic training, or on one rank that admits no replacements).

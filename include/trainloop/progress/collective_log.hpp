@@ -27,7 +27,7 @@ namespace trainloop::progress {
 
 /// What a collective does; part of its fingerprint.
 enum class CollectiveKind : std::uint8_t {
-  AllReduceSum, AllReduceMax, Broadcast, AllGather, Gather, ReduceScatter, Barrier, PassToLeft
+  AllReduceSum, AllReduceMax, Broadcast, AllGather, Gather, ReduceScatter, Barrier, PassToLeft, SendBytes
 };
 
 /// The kind in words.
@@ -41,6 +41,7 @@ inline const char* collective_kind_name(CollectiveKind kind) {
     case CollectiveKind::ReduceScatter: return "reduce_scatter";
     case CollectiveKind::Barrier: return "barrier";
     case CollectiveKind::PassToLeft: return "pass_to_left";
+    case CollectiveKind::SendBytes: return "send_bytes";
   }
   return "collective";
 }

@@ -290,6 +290,41 @@ class ProcessGroup {
     return theirs;
   }
 
+  /// Rank `from`'s `bytes` (1-D uint8 on the CPU, any length) to rank `to`, the length first.
+  /// Every rank calls it (one call in every rank's collective log, so the stall watchdog's
+  /// comparison holds) but only those two exchange anything: `to` gets the bytes, every other rank
+  /// an undefined tensor. Elastic training's hand-off to other machines (elastic/machine_directory.hpp).
+  torch::Tensor send_bytes(const torch::Tensor& bytes, int from, int to) {
+    torch::NoGradGuard no_grad;
+    const int world = issuer_.world_size();
+    TRAINLOOP_CHECK(from >= 0 && from < world && to >= 0 && to < world && from != to, "send_bytes from rank ", from,
+                    " to rank ", to, "; expected two different ranks of ", world);
+    const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::SendBytes, torch::Tensor());
+    const int me = issuer_.rank();
+    if (me != from && me != to) return torch::Tensor();
+    constexpr int kTag = 0x7e1b;  // this exchange's messages only
+    auto exchange = [&](torch::Tensor tensor, std::uint64_t logged) {
+      std::vector<torch::Tensor> tensors{std::move(tensor)};
+      WorkHandle work = issuer_.launched(logged, "send_bytes", [&] {
+        return me == from ? issuer_.native_checked()->send(tensors, to, kTag) : issuer_.native_checked()->recv(tensors, from, kTag);
+      });
+      issuer_.wait_point_to_point(work, "send_bytes");
+    };
+    if (me == from) {
+      TRAINLOOP_CHECK(bytes.dim() == 1 && bytes.scalar_type() == torch::kUInt8 && bytes.device().is_cpu(),
+                      "send_bytes sends 1-D uint8 bytes on the CPU; got ", c10::toString(bytes.scalar_type()), " ",
+                      bytes.sizes(), " on ", bytes.device());
+      exchange(torch::full({1}, bytes.numel(), torch::kInt64), seq);
+      if (bytes.numel() > 0) exchange(bytes.contiguous(), 0);
+      return torch::Tensor();
+    }
+    torch::Tensor length = torch::empty({1}, torch::kInt64);
+    exchange(length, seq);
+    torch::Tensor received = torch::empty({length.item<std::int64_t>()}, torch::kUInt8);
+    if (received.numel() > 0) exchange(received, 0);
+    return received;
+  }
+
   /// Blocks until every rank has reached the barrier.
   void barrier() {
     ::c10d::BarrierOptions options;

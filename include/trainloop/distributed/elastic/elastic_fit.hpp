@@ -24,7 +24,10 @@
 #include <trainloop/detail/format.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/comm/text_collectives.hpp>
 #include <trainloop/distributed/elastic/admission.hpp>
+#include <trainloop/distributed/elastic/machine_directory.hpp>
+#include <trainloop/distributed/elastic/pending_hand_off.hpp>
 #include <trainloop/distributed/elastic/regroup.hpp>
 #include <trainloop/distributed/elastic/replacement_join.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
@@ -69,51 +72,6 @@ struct ElasticFitParts {
   /// options of the group it joins (backend, device, timeout).
   JoinWatch* join_watch = nullptr;
   ProcessGroupOptions group_options;  ///< a replacement's group: backend, device, timeout
-};
-
-/// @brief The replicated hand-off this process resumed from last, kept until the next commit: a
-/// second loss before that commit resumes from it again, since the loop's state is still that
-/// step's (without it the survivors would start the fit again from its start). Removed after that
-/// commit, when the fit ends, and by the launcher when the process is killed.
-class PendingHandOff {
- public:
-  PendingHandOff() = default;
-  PendingHandOff(const PendingHandOff&) = delete;
-  PendingHandOff& operator=(const PendingHandOff&) = delete;
-  ~PendingHandOff() { drop(); }
-
-  /// The step it holds; -1 when there is none.
-  std::int64_t step() const { return step_; }
-  /// Its file.
-  const std::filesystem::path& path() const { return path_; }
-
-  /// `next` resumes from a replicated hand-off of step `step` (one file): it is kept (not removed
-  /// once loaded) until `commits`' next commit. A sharded hand-off (a directory) is not kept.
-  void keep(::trainloop::detail::ResumeSpec& next, std::int64_t step, StepCommitter& commits) {
-    std::error_code error;
-    if (next.candidates.size() != 1 || !std::filesystem::is_regular_file(next.candidates.front(), error)) {
-      drop();
-      return;
-    }
-    if (next.candidates.front() != path_) drop();
-    next.consume = false;
-    path_ = next.candidates.front();
-    step_ = step;
-    commits.after_next_commit([this] { drop(); });
-  }
-
-  /// Removes it (nothing when there is none).
-  void drop() {
-    if (path_.empty()) return;
-    std::error_code ignored;  // gone already: nothing to report
-    std::filesystem::remove(path_, ignored);
-    path_.clear();
-    step_ = -1;
-  }
-
- private:
-  std::filesystem::path path_;
-  std::int64_t step_ = -1;
 };
 
 namespace detail {
@@ -189,11 +147,12 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   const std::int64_t resumed_step = copies ? m.oldest_step : m.committed_step;
   if (copies && m.oldest_step >= 0) {
     // The step every survivor holds, from their copies (the lost ranks' shards from their keepers').
-    const std::filesystem::path directory = write_sharded_hand_off(
+    const MachineDirectory directory = write_sharded_hand_off(
         group, *copies, m, regrouped->old_rank, regrouped->old_world, *parts.env,
         ::trainloop::distributed::elastic::detail::generation(), parts.state_bytes ? parts.state_bytes() : 0);
-    next = ::trainloop::detail::ResumeSpec{{directory}, true, false, "", /*announce=*/false};
+    next = ::trainloop::detail::ResumeSpec{{directory.path}, true, false, "", /*announce=*/false};
     next.consume = true;
+    next.removes_directory = directory.lead;  // each machine's copy, by its lead
   } else if (!copies && m.committed_step >= 0) {
     const int generation = ::trainloop::distributed::elastic::detail::generation();
     // Every survivor committed that step: each holds its weights and optimizer state (replicated,
@@ -246,15 +205,29 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
 }
 
 /// What a rank resumes from after an admission: `hand_off` (a file or directory in this machine's
-/// memory), or, when `over_group`, the loop's state sent from rank 0 over the grown group `group`
-/// (a collective of every rank).
+/// memory; `removes_it`: this rank removes the directory once every rank read it), or, when
+/// `over_group` (a replacement on another machine), what the grown group `group` hands it — the
+/// loop's state sent from rank 0 (replicated), or each machine's whole copy of the members'
+/// per-rank checkpoint (sharded: machine_directory.hpp; a collective of every rank). Which of the
+/// two is rank 0's `sharded` (the members wrote their copies; a replacement cannot know).
 inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::detail::FitActions& actions, ProcessGroup& group,
-                                                          bool over_group, const std::string& hand_off,
-                                                          const ElasticFitParts& parts) {
+                                                          bool over_group, const std::string& hand_off, bool removes_it,
+                                                          bool sharded, const ElasticFitParts& parts) {
   std::filesystem::path file = hand_off;
-  if (over_group) {
+  const int generation = ::trainloop::distributed::elastic::detail::generation();
+  if (over_group) sharded = broadcast_text(group, sharded ? "1" : "0", 0) == "1";
+  if (over_group && sharded) {
+    // The members' copies are whole on their machines; a machine without one gets one.
+    std::exception_ptr failure;
+    const MachineDirectory directory = machine_directory(group, *parts.env, hand_off,
+                                                         ::trainloop::detail::concat(::getpid(), "-g", generation, ".dcp"),
+                                                         parts.state_bytes ? parts.state_bytes() : 0, failure);
+    fill_from_other_machines(group, directory, failure);
+    file = finish_machine_directory(directory, failure);
+    agree_every_copy_is_whole(group, directory, failure, "trainloop: the sharded state could not be handed to the replacements");
+    removes_it = directory.lead;
+  } else if (over_group) {
     if (!file.empty()) std::filesystem::remove(file);  // the one sent replaces it
-    const int generation = ::trainloop::distributed::elastic::detail::generation();
     file = detail::share_file(
         group, 0, parts.state_bytes ? parts.state_bytes() : 0,
         [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); },
@@ -262,6 +235,7 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
   }
   ::trainloop::detail::ResumeSpec next{{file}, true, false, "", /*announce=*/false};
   next.consume = true;
+  next.removes_directory = removes_it;
   return next;
 }
 
@@ -271,7 +245,7 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
 /// writes that step from its own state (sharded: its copies, as one per-rank checkpoint; replicated:
 /// its own hand-off, the same on every member) and nothing travels to it; a replacement on this
 /// machine reads rank 0's (replicated: a link to rank 0's file, its own to consume); when one runs
-/// on another machine, rank 0 sends the state to every rank over the grown group.
+/// on another machine, the grown group hands the state on (admission_hand_off).
 inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::detail::FitActions& actions,
                                                           const ReplacementsJoin& join, const ElasticFitParts& parts,
                                                           PendingHandOff& pending) {
@@ -280,15 +254,18 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
   const std::int64_t step = copies ? copies->newest_step() : parts.commits->committed_step();
   parts.put_back_committed_state();
   std::string own;  // what this member resumes from
+  bool removes_own = false;  // sharded: this member removes its machine's copy once every rank read it
   if (copies) {  // every member holds its own copies of that step: nobody was lost
     ProcessGroup& old = ::trainloop::distributed::detail::session_group().group;
     Membership all;
     for (int rank = 0; rank < old.world_size(); ++rank) all.members.push_back(rank);
     all.committed_step = all.oldest_step = step;
     all.all_committed = true;
-    own = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
-                                 ::trainloop::distributed::elastic::detail::generation(),
-                                 parts.state_bytes ? parts.state_bytes() : 0).string();
+    const MachineDirectory directory = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
+                                                              ::trainloop::distributed::elastic::detail::generation(),
+                                                              parts.state_bytes ? parts.state_bytes() : 0);
+    own = directory.path.string();
+    removes_own = directory.lead;
   } else {  // every member committed that step: its weights, optimizer state, streams and sums
     own = detail::hand_off_path(*parts.env, ::trainloop::distributed::elastic::detail::generation(),
                                 parts.state_bytes ? parts.state_bytes() : 0).string();
@@ -300,8 +277,8 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
     const bool local = std::all_of(joining.begin(), joining.end(), [](const JoinRequest& r) { return r.on_this_machine(); });
     std::vector<std::string> hand_offs;
     for (const JoinRequest& request : joining) {
-      if (copies || !local) {  // sharded state: one machine (join_fit checks), every replacement reads the directory
-        hand_offs.push_back(copies ? own : std::string());
+      if (copies || !local) {  // sharded state on this machine: every replacement reads rank 0's copy
+        hand_offs.push_back(copies && local ? own : std::string());
         continue;
       }
       const std::string link = ::trainloop::detail::concat(own, ".t", request.ticket);
@@ -318,7 +295,8 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
     for (const std::filesystem::path& link : links) std::filesystem::remove(link, ignored);  // nobody reads them now
   }
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
-  ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, grown.decision.over_group, own, parts);
+  ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, grown.decision.over_group, own, removes_own,
+                                                            /*sharded=*/copies != nullptr, parts);
   pending.keep(next, step, *parts.commits);
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
@@ -354,8 +332,10 @@ inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detai
   std::optional<Admission> admission =
       join_as_replacement(*parts.env, parts.group_options, parts.elastic_wait + std::chrono::seconds(30), parts.elastic_wait);
   if (!admission) throw FitEndedBeforeAdmission();
-  ::trainloop::detail::ResumeSpec next = admission_hand_off(
-      actions, ::trainloop::distributed::detail::session_group().group, admission->hand_off.empty(), admission->hand_off, parts);
+  // A replacement on rank 0's machine reads rank 0's copy, which rank 0 removes.
+  ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group,
+                                                            admission->hand_off.empty(), admission->hand_off,
+                                                            /*removes_it=*/false, /*sharded=*/false, parts);
   pending.keep(next, admission->step, *parts.commits);
   return next;
 }

@@ -1,16 +1,18 @@
 #pragma once
 /// @file
 /// @brief Elastic training of sharded state after a loss (share_copies.hpp has the copies): the
-/// step every survivor holds, written from the survivors' copies as a per-rank checkpoint in this
-/// machine's memory, in DCP's layout — each survivor its own `__<rank>_0.distcp`, the keeper of a
-/// lost rank that rank's file from its neighbour's copy, rank 0 the loop's state and `.metadata` —
-/// from which every survivor resumes with the new world size (elastic_fit.hpp).
+/// step every survivor holds, written from the survivors' copies as a per-rank checkpoint in
+/// memory, in DCP's layout — each survivor its own `__<rank>_0.distcp`, the keeper of a lost rank
+/// that rank's file from its neighbour's copy, rank 0 the loop's state and `.metadata` — from
+/// which every survivor resumes with the new world size (elastic_fit.hpp). On several machines
+/// each machine gets a whole copy (machine_directory.hpp).
 
 #include <trainloop/checkpoint/background_write.hpp>
 #include <trainloop/checkpoint/dcp_checkpoint.hpp>
 #include <trainloop/detail/format.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/elastic/box_descriptor.hpp>
+#include <trainloop/distributed/elastic/machine_directory.hpp>
 #include <trainloop/distributed/elastic/membership.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
@@ -32,16 +34,6 @@ namespace trainloop::distributed::elastic {
 
 namespace detail {
 
-/// `text` from `root` to every rank of `group` (its length first).
-inline std::string broadcast_text(ProcessGroup& group, const std::string& text, int root) {
-  torch::Tensor length = torch::full({1}, static_cast<int64_t>(text.size()), torch::kInt64);
-  group.broadcast(length, root);
-  torch::Tensor bytes = torch::empty({length.item<int64_t>()}, torch::kUInt8);
-  if (group.rank() == root && !text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  if (bytes.numel() > 0) group.broadcast(bytes, root);
-  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-}
-
 /// Appends `value` as 8 bytes.
 inline void put_number(std::string& out, int64_t value) { out.append(reinterpret_cast<const char*>(&value), 8); }
 
@@ -49,11 +41,12 @@ inline void put_number(std::string& out, int64_t value) { out.append(reinterpret
 
 /// After a loss: the step `m.oldest_step` that every survivor holds, written from the survivors'
 /// copies as a per-rank checkpoint of the `old_world` ranks that lost `m.lost`, in memory; returns
-/// its directory (the same on every survivor). A collective over `group`, the survivors' new
-/// group. `bytes` estimates the whole state's size (where it fits).
+/// this machine's copy of its directory (machine_directory.hpp: one a machine, complete on each;
+/// its `lead` removes it once read). A collective over `group`, the survivors' new group. `bytes`
+/// estimates the whole state's size (where it fits).
 /// @throws trainloop::CommunicationError on every survivor when a lost rank's keeper was lost too
 ///         (no copy remains), and when any survivor could not write its part.
-inline std::filesystem::path write_sharded_hand_off(ProcessGroup& group, const ShareCopies& copies, const Membership& m,
+inline MachineDirectory write_sharded_hand_off(ProcessGroup& group, const ShareCopies& copies, const Membership& m,
                                                     int old_rank, int old_world, const RankEnv& env, int generation,
                                                     std::uintmax_t bytes) {
   const int64_t step = m.oldest_step;
@@ -67,28 +60,15 @@ inline std::filesystem::path write_sharded_hand_off(ProcessGroup& group, const S
           "survives ranks lost one at a time, or any two that are not neighbours); restart it from its last checkpoint"));
     }
   }
-  // Rank 0 names and makes the directory; every survivor writes its files into it.
+  // Each machine's lead makes its copy of the directory; every survivor writes its files into its machine's.
   std::exception_ptr failure;
-  std::string name;
-  if (group.rank() == 0) {
-    try {
-      const std::filesystem::path target =
-          detail::in_memory_path(env, ::trainloop::detail::concat(::getpid(), "-g", generation, "-step", step, ".dcp"), bytes);
-      std::error_code ignored;
-      std::filesystem::remove_all(target, ignored);
-      std::filesystem::remove_all(target.string() + ".partial", ignored);
-      std::filesystem::create_directories(target.string() + ".partial");
-      name = target.string();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  name = detail::broadcast_text(group, name, 0);
-  const std::filesystem::path target(name);
-  const std::filesystem::path partial(name + ".partial");
+  MachineDirectory directory =
+      machine_directory(group, env, {}, ::trainloop::detail::concat(::getpid(), "-g", generation, "-step", step, ".dcp"),
+                        bytes, failure);
+  const std::filesystem::path partial = directory.path;
   std::string parts;  // (old rank, length, metadata part) for each file this rank writes
   const ShareCopies::Slot* slot = copies.slot_of(step);
-  if (!name.empty()) {
+  if (!failure) {
     try {
       TRAINLOOP_CHECK(slot != nullptr, "rank ", old_rank, " holds no copy of step ", step, " (newest ", copies.newest_step(),
                       "); expected the step every survivor holds");
@@ -111,7 +91,7 @@ inline std::filesystem::path write_sharded_hand_off(ProcessGroup& group, const S
   torch::Tensor row = torch::empty({static_cast<int64_t>(parts.size())}, torch::kUInt8);
   if (!parts.empty()) std::memcpy(row.data_ptr(), parts.data(), parts.size());
   const std::vector<torch::Tensor> rows = group.gather_rows_to(row, 0);
-  if (group.rank() == 0 && !failure) {
+  if (group.rank() == 0 && !failure) {  // rank 0 leads the first machine: the loop's state and `.metadata` go there
     try {
       std::vector<std::string> by_rank(static_cast<size_t>(old_world));
       for (const torch::Tensor& gathered : rows) {
@@ -130,32 +110,20 @@ inline std::filesystem::path write_sharded_hand_off(ProcessGroup& group, const S
         TRAINLOOP_CHECK(!by_rank[static_cast<size_t>(r)].empty(), "no survivor wrote rank ", r, "'s shards of step ", step);
       }
       std::filesystem::copy_file(slot->loop_state, partial / ::trainloop::detail::kDcpLoopStateFile);
-      ::trainloop::detail::write_checkpoint_metadata(partial, by_rank, target.string());
-      std::filesystem::rename(partial, target);
+      ::trainloop::detail::write_checkpoint_metadata(partial, by_rank, partial.string());
     } catch (...) {
       failure = std::current_exception();
     }
   }
-  torch::Tensor failed = torch::full({1}, failure ? 1.0 : 0.0, torch::kFloat32);
-  group.all_reduce_max(failed);
-  if (failed.item<float>() > 0.5f) {
-    if (group.rank() == 0) {
-      std::error_code ignored;
-      std::filesystem::remove_all(partial, ignored);
-      std::filesystem::remove_all(target, ignored);
-    }
-    std::string cause = "another survivor could not write its part (its error names the cause)";
-    if (failure) {
-      try {
-        std::rethrow_exception(failure);
-      } catch (const std::exception& error) {
-        cause = error.what();
-      }
-    }
-    throw CommunicationError(::trainloop::detail::concat("trainloop: the survivors could not hand the sharded state of step ",
-                                                         step, " on from their copies: ", cause));
-  }
-  return target;
+  // Several machines: each copy gets the files written on the others.
+  fill_from_other_machines(group, directory, failure);
+  const std::filesystem::path target = finish_machine_directory(directory, failure);
+  agree_every_copy_is_whole(group, directory, failure,
+                            ::trainloop::detail::concat("trainloop: the survivors could not hand the sharded state of step ",
+                                                        step, " on from their copies"));
+  directory.path = target;
+  directory.made = false;
+  return directory;
 }
 
 }  // namespace trainloop::distributed::elastic

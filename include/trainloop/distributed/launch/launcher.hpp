@@ -322,8 +322,12 @@ inline const std::vector<RankProcess>& Launcher::launch() {
       }
       any_running = any_running || process.running;
     }
-    // Replacements only while the job goes on (ranks_ grows: no pointer into it is held then).
-    if (failed.empty() && any_running && !lost_ranks.empty()) start_replacements(lost_ranks, argv);
+    // Replacements only while the job goes on (ranks_ grows: no pointer into it is held then) —
+    // on several machines it may go on elsewhere when every rank of this one was lost.
+    if (failed.empty() && (any_running || options_.nnodes() > 1) && !lost_ranks.empty()) {
+      start_replacements(lost_ranks, argv);
+      any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const RankProcess& process) { return process.running; });
+    }
     if (int signal = detail::launcher_interrupt; signal != 0) {
       stop_all();
       remove_run_dir();  // the default disposition ends the process: no destructor will run

@@ -4,6 +4,7 @@
 /// ranks (restarting them on failure if asked), waits, and loads the state rank 0 wrote (see
 /// spawn_relay.hpp).
 
+#include <trainloop/detail/format.hpp>
 #include <trainloop/distributed/launch/launcher.hpp>
 #include <trainloop/distributed/spawn/relayed_exceptions.hpp>
 #include <trainloop/distributed/spawn/spawn_session.hpp>
@@ -15,6 +16,7 @@
 
 #include <filesystem>
 #include <iostream>
+#include <set>
 #include <string>
 
 namespace trainloop::distributed {
@@ -48,8 +50,11 @@ inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions
       Launcher launcher(attempt_options);
       const std::filesystem::path run_dir = launcher.run_dir();
       actions.save(run_dir / "initial.ckpt", true);
+      std::set<int> lost;  // elastic training: the ranks of this launcher the job went on without
       try {
-        launcher.launch();
+        for (const RankProcess& process : launcher.launch()) {
+          if (process.lost) lost.insert(process.rank);
+        }
       } catch (const RankFailedError& failure) {
         if (attempt < spawn.max_restarts) {
           std::cerr << failure.what() << "\ntrainloop: restarting all ranks from the newest checkpoint (restart "
@@ -57,6 +62,15 @@ inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions
           continue;
         }
         detail::rethrow_rank_failure(failure);
+      }
+      // On several machines the job may go on without every rank this launcher started.
+      if (!lost.empty() && !std::filesystem::exists(run_dir / "trained.ckpt")) {
+        std::string ranks;
+        for (const int rank : lost) ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank);
+        throw Error(::trainloop::detail::concat(
+            "trainloop: every rank this launcher started was lost (", ranks, ") and no replacement joined before the "
+            "fit ended: the job went on without them on the other machines, and this machine holds no trained state; "
+            "expected a rank of this machine at the fit's end (max_replacements, docs/elastic.md)"));
       }
       History history = actions.load(run_dir / "trained.ckpt");
       // Kept for the ranks of later calls, which pass this one (see the file comment).

@@ -5,6 +5,10 @@
 /// (also an exception escaping main()), and ends (see spawn_relay.hpp).
 
 #include <trainloop/detail/error_context.hpp>
+#include <trainloop/detail/format.hpp>
+#include <trainloop/detail/process_identity.hpp>
+#include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/comm/text_collectives.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/job/replacement.hpp>
 #include <trainloop/distributed/launch/failure_report.hpp>
@@ -19,7 +23,9 @@
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <string>
 #include <unistd.h>
+#include <vector>
 
 namespace trainloop::distributed {
 
@@ -61,6 +67,21 @@ inline const bool rank_reports_uncaught_exceptions = [] {
   return true;
 }();
 
+/// Whether this rank writes the trained state for its launcher (each machine's launcher reads its
+/// own copy): the lowest rank of the job's group that this launcher started — its local rank 0,
+/// unless elastic training lost that one and went on without it. A collective over the job's group.
+inline bool writes_for_its_launcher(const RankEnv& env) {
+  ProcessGroup& group = session_group().group;
+  if (!group.valid()) return env.local_rank == 0;
+  const std::vector<std::string> launchers =
+      all_texts(group, ::trainloop::detail::concat(env.launcher_pid, "@", ::trainloop::detail::pid_domain_tag()));
+  const auto mine = static_cast<std::size_t>(group.rank());
+  for (std::size_t rank = 0; rank < mine; ++rank) {
+    if (launchers[rank] == launchers[mine]) return false;
+  }
+  return true;
+}
+
 }  // namespace detail
 
 /// The rank side of DDP fit() call `fit_index` in a rank spawned by launch_spawned_fit():
@@ -99,8 +120,8 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloo
         } catch (const FitEndedBeforeAdmission&) {
           return;  // a replacement the fit did not need: done, with nothing to write
         }
-        // A collective; each node's local rank 0 writes it for its node's launcher.
-        actions.save(run_dir / "trained.ckpt", env.local_rank == 0);
+        // A collective; one rank a launcher writes it for that launcher.
+        actions.save(run_dir / "trained.ckpt", detail::writes_for_its_launcher(env));
         barrier();  // no rank leaves while another still needs it in a collective
       },
       &detail::describe_rank_exception);
