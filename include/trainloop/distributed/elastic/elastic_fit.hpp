@@ -26,6 +26,7 @@
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/comm/text_collectives.hpp>
 #include <trainloop/distributed/elastic/admission.hpp>
+#include <trainloop/distributed/elastic/hand_off_file.hpp>
 #include <trainloop/distributed/elastic/machine_directory.hpp>
 #include <trainloop/distributed/elastic/pending_hand_off.hpp>
 #include <trainloop/distributed/elastic/regroup.hpp>
@@ -75,47 +76,6 @@ struct ElasticFitParts {
 };
 
 namespace detail {
-
-/// Where this process's hand-off file of about `bytes` goes (see the file comment): /dev/shm when
-/// it has room for it (a container's is often 64 MiB), else the run directory or TMPDIR.
-inline std::filesystem::path hand_off_path(const RankEnv& env, int generation, std::uintmax_t bytes) {
-  return in_memory_path(env, ::trainloop::detail::concat(::getpid(), "-g", generation, ".ckpt"), bytes);
-}
-
-/// The file `write_root` writes on `root`, copied to every rank of `group` (a collective); returns
-/// this rank's copy. `place(bytes)` says where a file of that size goes (`root_bytes`: the root's
-/// estimate before it writes).
-inline std::filesystem::path share_file(ProcessGroup& group, int root, std::uintmax_t root_bytes,
-                                        const std::function<std::filesystem::path(std::uintmax_t)>& place,
-                                        const std::function<void(const std::filesystem::path&)>& write_root) {
-  torch::Tensor size = torch::zeros({1}, torch::kInt64);
-  torch::Tensor data;
-  std::filesystem::path path;
-  if (group.rank() == root) {
-    path = place(root_bytes);
-    write_root(path);
-    // One read into the tensor that travels (a character iterator took seconds per GB).
-    data = torch::empty({static_cast<std::int64_t>(std::filesystem::file_size(path))}, torch::kUInt8);
-    std::ifstream in(path, std::ios::binary);
-    in.read(static_cast<char*>(data.data_ptr()), data.numel());
-    TRAINLOOP_CHECK(in.gcount() == data.numel(), "cannot read the hand-off file ", path.string(), " just written");
-    size.fill_(data.numel());
-  }
-  group.broadcast(size, root);
-  if (group.rank() != root) data = torch::empty({size.item<std::int64_t>()}, torch::kUInt8);
-  group.broadcast(data, root);
-  if (group.rank() != root) {
-    path = place(static_cast<std::uintmax_t>(data.numel()));
-    const std::filesystem::path partial = path.string() + ".partial";
-    {
-      std::ofstream out(partial, std::ios::binary | std::ios::trunc);
-      out.write(static_cast<const char*>(data.data_ptr()), data.numel());
-      TRAINLOOP_CHECK(out.good(), "cannot write the hand-off file ", partial.string(), " (", data.numel(), " bytes)");
-    }
-    std::filesystem::rename(partial, path);
-  }
-  return path;
-}
 
 /// Whether `error` may be the consequence of a lost rank (what a survivor's collective raises).
 inline bool may_be_a_lost_rank(const std::exception& error) {

@@ -18,6 +18,7 @@
 #include <trainloop/detail/process_identity.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/text_collectives.hpp>
+#include <trainloop/distributed/elastic/hand_off_file.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/error.hpp>
@@ -29,7 +30,6 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -62,26 +62,6 @@ inline std::vector<std::string> file_names(const std::filesystem::path& director
   }
   std::sort(names.begin(), names.end());
   return names;
-}
-
-/// The whole of `path` as bytes.
-inline torch::Tensor file_bytes(const std::filesystem::path& path) {
-  torch::Tensor data = torch::empty({static_cast<std::int64_t>(std::filesystem::file_size(path))}, torch::kUInt8);
-  std::ifstream in(path, std::ios::binary);
-  in.read(static_cast<char*>(data.data_ptr()), data.numel());
-  TRAINLOOP_CHECK(in.gcount() == data.numel(), "cannot read ", path.string(), " (", data.numel(), " bytes) to send it");
-  return data;
-}
-
-/// Writes `data` as `path`, atomically (a ".partial" file renamed).
-inline void write_file_bytes(const std::filesystem::path& path, const torch::Tensor& data) {
-  const std::filesystem::path partial = path.string() + ".partial";
-  {
-    std::ofstream out(partial, std::ios::binary | std::ios::trunc);
-    out.write(static_cast<const char*>(data.data_ptr()), data.numel());
-    TRAINLOOP_CHECK(out.good(), "cannot write ", partial.string(), " (", data.numel(), " bytes)");
-  }
-  std::filesystem::rename(partial, path);
 }
 
 }  // namespace detail
