@@ -182,9 +182,7 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
     const MachineDirectory directory = machine_directory(group, *parts.env, hand_off,
                                                          ::trainloop::detail::concat(::getpid(), "-g", generation, ".dcp"),
                                                          parts.state_bytes ? parts.state_bytes() : 0, failure);
-    fill_from_other_machines(group, directory, failure);
-    file = finish_machine_directory(directory, failure);
-    agree_every_copy_is_whole(group, directory, failure, "trainloop: the sharded state could not be handed to the replacements");
+    file = complete_every_copy(group, directory, failure, "trainloop: the sharded state could not be handed to the replacements");
     removes_it = directory.lead;
   } else if (over_group) {
     if (!file.empty()) std::filesystem::remove(file);  // the one sent replaces it

@@ -215,4 +215,16 @@ inline void agree_every_copy_is_whole(ProcessGroup& group, const MachineDirector
   throw CommunicationError(::trainloop::detail::concat(what, ": ", cause));
 }
 
+/// The end of a hand-off made of machine copies, on every rank of `group`: every copy filled
+/// (fill_from_other_machines), a made one given its final name (finish_machine_directory), and
+/// the agreement (agree_every_copy_is_whole); returns this machine's copy.
+/// @throws trainloop::CommunicationError on every rank when any kept a failure.
+inline std::filesystem::path complete_every_copy(ProcessGroup& group, const MachineDirectory& mine, std::exception_ptr& failure,
+                                                 const std::string& what) {
+  fill_from_other_machines(group, mine, failure);
+  const std::filesystem::path target = finish_machine_directory(mine, failure);
+  agree_every_copy_is_whole(group, mine, failure, what);
+  return target;
+}
+
 }  // namespace trainloop::distributed::elastic

@@ -116,11 +116,10 @@ inline MachineDirectory write_sharded_hand_off(ProcessGroup& group, const ShareC
     }
   }
   // Several machines: each copy gets the files written on the others.
-  fill_from_other_machines(group, directory, failure);
-  const std::filesystem::path target = finish_machine_directory(directory, failure);
-  agree_every_copy_is_whole(group, directory, failure,
-                            ::trainloop::detail::concat("trainloop: the survivors could not hand the sharded state of step ",
-                                                        step, " on from their copies"));
+  const std::filesystem::path target = complete_every_copy(
+      group, directory, failure,
+      ::trainloop::detail::concat("trainloop: the survivors could not hand the sharded state of step ", step,
+                                  " on from their copies"));
   directory.path = target;
   directory.made = false;
   return directory;
