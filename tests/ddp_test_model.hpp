@@ -6,13 +6,20 @@
 
 struct MlpImpl : torch::nn::Module {
   /// `hidden` 2048: 4.2 M parameters, over the 16 MiB from which a gathered checkpoint goes behind training.
-  explicit MlpImpl(int64_t hidden = 16) {
+  /// `norm`: a BatchNorm layer after fc1, whose running statistics are buffers (test_elastic).
+  explicit MlpImpl(int64_t hidden = 16, bool norm = false) {
     fc1 = register_module("fc1", torch::nn::Linear(6, hidden));
+    if (norm) bn = register_module("bn", torch::nn::BatchNorm1d(hidden));
     fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
     fc3 = register_module("fc3", torch::nn::Linear(hidden, 3));
   }
-  torch::Tensor forward(torch::Tensor x) { return fc3(torch::tanh(fc2(torch::tanh(fc1(x))))); }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor h = fc1(x);
+    if (!bn.is_empty()) h = bn(h);
+    return fc3(torch::tanh(fc2(torch::tanh(h))));
+  }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
 };
 TORCH_MODULE(Mlp);
 

@@ -14,7 +14,8 @@
 // TL_TEST_KILL_AT_STEP, TL_TEST_MAX_RESTARTS; with TL_TEST_OPTIMIZER=adam, TL_TEST_ZERO=1 or
 // TL_TEST_SHARDING=<level> (TL_TEST_SHARDING_UNITS=<one submodule>), TL_TEST_CLIP_PERCENT=N and
 // TL_TEST_ACCUMULATION=K for ZeRO, TL_TEST_COMM_HOOK=<name> for a comm hook; TL_TEST_ELASTIC=1,
-// TL_TEST_REPLACEMENTS=N, TL_TEST_ELASTIC_WAIT_MS=N and TL_TEST_TRAIN_SAMPLES=N for elastic training).
+// TL_TEST_REPLACEMENTS=N, TL_TEST_ELASTIC_WAIT_MS=N and TL_TEST_TRAIN_SAMPLES=N for elastic training;
+// TL_TEST_NORM=1: the model with a BatchNorm layer).
 // It writes <out-dir>/params.pt (the trained parameters, as the caller's model holds them after
 // fit()) and <out-dir>/result.txt (numbers the test compares). Exit status: 0 on success, 3 on
 // a trainloop::Error (after printing its message; "RANK_FAILED rank=N" for a RankFailedError),
@@ -209,7 +210,8 @@ int main(int argc, char** argv) {
     // spawned ranks must still start from the caller's weights, which they load, not broadcast).
     const bool seed_by_rank = std::getenv("TL_TEST_SEED_BY_RANK") != nullptr;
     torch::manual_seed(seed_by_rank ? 5 + 1000 * static_cast<uint64_t>(std::max(own_rank(), 0)) : 5);
-    Mlp net(env_number("TL_TEST_HIDDEN", 16));  // 2048: a gathered checkpoint goes behind training
+    // TL_TEST_HIDDEN=2048: a gathered checkpoint goes behind training; TL_TEST_NORM=1: with BatchNorm (buffers).
+    Mlp net(env_number("TL_TEST_HIDDEN", 16), env_number("TL_TEST_NORM", 0) != 0);
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     // TL_TEST_OPTIMIZER=adam: the main loop trains with Adam instead (ZeRO's tests: two moments per parameter).
     torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));

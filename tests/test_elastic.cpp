@@ -156,7 +156,10 @@ int hand_off_files_left() {
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(three_ranks_lose_one_in_its_forward_and_end_as_two_would_from_that_step) {
-  lost_rank_equals_deliberate_change("forward", 3, "2:3:forward");
+  // With a BatchNorm layer (TL_TEST_NORM): the survivors keep their weights and optimizer state in
+  // memory (the hand-off holds the loop's state alone), and the running statistics their forward of
+  // step 3 moved are put back as step 2 committed them.
+  lost_rank_equals_deliberate_change("forward", 3, "2:3:forward", "", "TL_TEST_NORM=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
 }
 
@@ -207,7 +210,8 @@ BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_inside_the_exchange_o
 }
 
 BOOST_AUTO_TEST_CASE(a_replacement_joins_and_the_job_ends_as_deliberate_world_size_changes_would) {
-  replacement_equals_deliberate_changes("replicated", "");
+  // With a BatchNorm layer: the members keep their model in memory, the replacement reads rank 0's whole state.
+  replacement_equals_deliberate_changes("replicated", "TL_TEST_NORM=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
 }
 
@@ -309,7 +313,11 @@ BOOST_AUTO_TEST_CASE(a_second_loss_before_the_next_commit_resumes_from_the_same_
   // from step 2 with 2 ranks; rank 1 dies in its forward of step 3, before any step of the new
   // group is committed: rank 0 resumes from step 2 again (the hand-off it kept), alone — not from
   // the fit's start. The end equals 3 ranks that became 1 at step 2 on purpose, bit for bit.
-  lost_rank_equals_deliberate_change("second_loss", 3, "2:2:checkpoint,1:3:forward", "TL_TEST_EVERY_STEPS=1 ", "",
+  // With a BatchNorm layer: the hand-off kept is the loop's state alone, so rank 0's running statistics,
+  // which its forward of step 3 moved, come back from memory as step 2 committed them. One thread in
+  // every run: the survivor keeps the 3-rank job's thread count, and BatchNorm's sums round by it.
+  lost_rank_equals_deliberate_change("second_loss", 3, "2:2:checkpoint,1:3:forward", "TL_TEST_EVERY_STEPS=1 ",
+                                     "TL_TEST_NORM=1 OMP_NUM_THREADS=1 ",
                                      {"rank 1 (pid", "continuing with 1 rank (regrouped"}, 1);
   BOOST_TEST(hand_off_files_left() == 0);
 }
@@ -402,9 +410,10 @@ TwoMachineRun run_two_machines(trainloop_test::TwoNodeNetwork& network, const fs
 /// The two-machine run ended as the deliberate one on one machine (`deliberate`): both machines'
 /// callers hold its parameters bit for bit, every sample of every epoch counted once, each epoch's
 /// loss and accuracy and the last validation loss equal, and no hand-off left on either machine.
-void expect_same_end_on_both_machines(const std::string& name, const TwoMachineRun& elastic, WorkerRun& deliberate) {
+void expect_same_end_on_both_machines(const std::string& name, const TwoMachineRun& elastic, WorkerRun& deliberate,
+                                      int nodes = 2) {
   const torch::Tensor changed = load_params((deliberate.dir / "params.pt").string());
-  for (int node = 0; node < 2; ++node) {
+  for (int node = 0; node < nodes; ++node) {
     const torch::Tensor ended = load_params(elastic.params[node].string());
     BOOST_TEST_MESSAGE(name << ": node " << node << ": max |elastic - deliberate| = " << (ended - changed).abs().max().item<double>());
     BOOST_TEST(torch::equal(ended, changed), name << ": node " << node << "'s parameters differ from the deliberate change");
@@ -587,11 +596,51 @@ BOOST_AUTO_TEST_CASE(a_machine_whose_every_rank_is_lost_ends_named_while_the_job
   BOOST_TEST(run.node_exit_code[0] == 0, run.output[0]);
   BOOST_TEST(run.node_exit_code[1] != 0, run.output[1]);
   BOOST_TEST(run.output[0].find("continuing with 1 rank") != std::string::npos, run.output[0]);
-  BOOST_TEST(run.output[1].find("every rank this launcher started was lost (1) and no replacement joined") != std::string::npos,
+  BOOST_TEST(run.output[1].find("every rank this launcher started was lost (1) and no replacement of theirs was in the job") !=
+                 std::string::npos,
              run.output[1]);
   for (int epoch = 1; epoch <= kEpochs; ++epoch) BOOST_TEST(run.result.at("epoch" + std::to_string(epoch) + "_samples") == kSamples);
   BOOST_TEST(run.left[0] == 0);
   BOOST_TEST(run.left[1] == 0);
   BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_replacement_lost_while_the_grown_group_hands_it_the_state_leaves_the_member_going_on) {
+  // 2 machines of one rank: rank 1 dies in its forward of step 3, rank 0 goes on alone, and machine
+  // 1's launcher starts a replacement, admitted at the commit of step 5; the grown group forms and
+  // the replacement dies before the state reaches it over the group (kill point `hand-off`). The
+  // member's hand-off over the group fails, and it is lost as any rank: rank 0 goes on alone from
+  // step 5, its model and optimizer as they were. The end on machine 0 equals 2 ranks that became 1
+  // at step 2 on purpose, bit for bit; machine 1's fit ends named (no rank of it is left).
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const fs::path dir = fresh_dir("elastic_two_machines_hand_off_lost");
+  const TwoMachineRun elastic = run_two_machines(
+      network, dir / "elastic", 1,
+      common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=1 TL_TEST_ELASTIC_WAIT_MS=3000 "
+                          "TRAINLOOP_TEST_KILL_AT=1:3:forward,1:6:hand-off TRAINLOOP_TEST_AWAIT_REPLACEMENT=5");
+  BOOST_TEST_MESSAGE("machine 0: " << elastic.output[0] << "\nmachine 1: " << elastic.output[1]);
+  BOOST_TEST(elastic.node_exit_code[0] == 0, elastic.output[0]);
+  BOOST_TEST(elastic.node_exit_code[1] != 0, elastic.output[1]);
+  BOOST_TEST(resumed_from_step(elastic.output[0]) == 2);
+  BOOST_TEST(elastic.output[1].find("started a replacement for rank 1") != std::string::npos, elastic.output[1]);
+  BOOST_TEST(elastic.output[0].find("lost at step 6: ") != std::string::npos, elastic.output[0]);
+  BOOST_TEST(elastic.output[0].find("continuing with 1 rank (regrouped in") != std::string::npos, elastic.output[0]);
+  BOOST_TEST(elastic.output[0].find("from step 5 held by rank 0") != std::string::npos, elastic.output[0]);
+  BOOST_TEST(elastic.output[1].find("rank 1 was lost again and its 1 replacement is used up") != std::string::npos, elastic.output[1]);
+  BOOST_TEST(elastic.left[1] == 0);
+
+  WorkerRun before = run_worker("ckpt", 2, 0, common_settings() + "TL_TEST_EVERY_STEPS=1 TL_TEST_CKPT_DIR=" + (dir / "before").string(),
+                                "_hand_off_lost_before");
+  BOOST_REQUIRE_MESSAGE(before.exit_code == 0, before.output);
+  const fs::path step2 = checkpoint_after(dir / "before", 2, 8);  // 60 samples, 8 a step on 2 ranks
+  WorkerRun after = run_worker("ckpt", 1, 0,
+                               common_settings() + "TL_TEST_CKPT_DIR=" + (dir / "after").string() + " TL_TEST_RESUME=" + step2.string(),
+                               "_hand_off_lost_after");
+  BOOST_REQUIRE_MESSAGE(after.exit_code == 0, after.output);
+  expect_same_end_on_both_machines("replacement lost in the hand-off", elastic, after, /*nodes=*/1);
+  BOOST_TEST(leftover_workers() == 0);
+  for (auto* run : {&before, &after}) fs::remove_all(run->dir);
   fs::remove_all(dir);
 }

@@ -4,6 +4,7 @@
 #include "test_support.hpp"
 #include "thread_ranks.hpp"
 
+#include <trainloop/distributed/comm/point_to_point.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/distributed/elastic/box_descriptor.hpp>
@@ -144,12 +145,12 @@ BOOST_AUTO_TEST_CASE(pass_to_left_hands_each_rank_the_bytes_of_the_rank_after_it
         return (torch::arange(1000 + 37 * rank, torch::kInt64) * (rank + 3)).remainder(251).to(torch::kUInt8);
       };
       const int right = (group.rank() + 1) % world;
-      torch::Tensor received = group.pass_to_left(bytes_of(group.rank()));
+      torch::Tensor received = distributed::pass_to_left(group, bytes_of(group.rank()));
       RANK_TEST(torch::equal(received, bytes_of(right)));
-      torch::Tensor again = group.pass_to_left(bytes_of(group.rank()), received);
+      torch::Tensor again = distributed::pass_to_left(group, bytes_of(group.rank()), received);
       RANK_TEST(again.data_ptr() == received.data_ptr());  // reused
       RANK_TEST(torch::equal(again, bytes_of(right)));
-      torch::Tensor replaced = group.pass_to_left(bytes_of(group.rank()), torch::empty({3}, torch::kUInt8));
+      torch::Tensor replaced = distributed::pass_to_left(group, bytes_of(group.rank()), torch::empty({3}, torch::kUInt8));
       RANK_TEST(torch::equal(replaced, bytes_of(right)));
     });
   }

@@ -164,6 +164,9 @@ class TrainLoop {
       actions.save_committed = [&](const std::filesystem::path& path) {
         runner().save_committed(mode_engine, detail::keyed_callbacks(callbacks), path);
       };
+      actions.save_committed_loop_state = [&](const std::filesystem::path& path) {
+        runner().save_committed(mode_engine, detail::keyed_callbacks(callbacks), path, /*with_model_and_optimizer=*/false);
+      };
       actions.load = [&](const std::filesystem::path& path) {
         runner().load_checkpoint(mode_engine, path, detail::keyed_callbacks(callbacks), /*restore_rng=*/true);
         return progress_.visible_history();

@@ -23,6 +23,7 @@
 
 #include <trainloop/checkpoint/checkpoint_shares.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/optim/optimizer_state.hpp>
 #include <trainloop/optim/param_state_fields.hpp>
 #include <trainloop/serialization/dcp/distcp_reader.hpp>
 #include <trainloop/serialization/dcp/distcp_writer.hpp>
@@ -130,19 +131,6 @@ inline void write_checkpoint_metadata(const std::filesystem::path& directory, co
   serialization::dcp::Metadata merged = serialization::dcp::merge_metadata(metadata);
   for (const auto& [key, entry] : merged.tensors) merged.planner_data[key] = planner_path_of(key);
   serialization::dcp::write_metadata(directory, merged);
-}
-
-/// The optimizer's param groups and options in libtorch's format, without its state (which a
-/// per-rank checkpoint holds in the ranks' files): the state is moved out while libtorch writes.
-inline void save_optimizer_groups(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive) {
-  auto state = std::move(optimizer.state());
-  optimizer.state().clear();
-  struct PutBack {
-    torch::optim::Optimizer& optimizer;
-    decltype(state)& saved;
-    ~PutBack() { optimizer.state() = std::move(saved); }
-  } put_back{optimizer, state};
-  optimizer.save(archive);
 }
 
 /// @brief A per-rank checkpoint opened for reading (the file comment): its metadata read and

@@ -32,13 +32,18 @@
 namespace trainloop::detail {
 
 /// The optimizer's and the callbacks' state (and this process's random streams) as they were,
-/// put back by restore() unless commit() was called first.
+/// put back by restore() unless commit() was called first. `options_only`: the restore changes the
+/// optimizer's param-group options alone, so only those are kept (not a copy of its whole state).
 class StateUndo {
  public:
-  StateUndo(torch::optim::Optimizer& optimizer, const KeyedStates& callbacks)
-      : optimizer_(optimizer), rng_(capture_rng_state()) {
+  StateUndo(torch::optim::Optimizer& optimizer, const KeyedStates& callbacks, bool options_only = false)
+      : optimizer_(optimizer), rng_(capture_rng_state()), options_only_(options_only) {
     torch::serialize::OutputArchive archive;
-    save_optimizer_state(optimizer, archive);
+    if (options_only) {
+      save_optimizer_groups(optimizer, archive);
+    } else {
+      save_optimizer_state(optimizer, archive);
+    }
     archive.save_to(optimizer_bytes_);
     for (const auto& [key, callback] : callbacks) {
       torch::serialize::OutputArchive one;
@@ -64,7 +69,11 @@ class StateUndo {
       std::istringstream bytes(optimizer_bytes_.str());
       torch::serialize::InputArchive archive;
       archive.load_from(bytes);
-      load_optimizer_state(optimizer_, archive);
+      if (options_only_) {
+        load_optimizer_options(optimizer_, archive);
+      } else {
+        load_optimizer_state(optimizer_, archive);
+      }
     } catch (...) {
     }
     for (auto& [callback, saved] : callbacks_) {
@@ -86,6 +95,7 @@ class StateUndo {
   std::ostringstream optimizer_bytes_;
   std::vector<std::pair<Stateful*, std::string>> callbacks_;
   torch::Tensor rng_;
+  bool options_only_ = false;
   bool committed_ = false;
 };
 
@@ -96,6 +106,9 @@ struct RestoreSteps {
   std::function<void()> check_optimizer;  ///< the same for the optimizer
   std::function<void()> load_optimizer;   ///< may still throw (it is undone then)
   std::function<void()> load_model;       ///< last, when everything else is applied
+  /// load_optimizer changes the param groups' options only (the state is kept in memory): the
+  /// undo keeps those, not a copy of the whole state.
+  bool optimizer_options_only = false;
 };
 
 /// The order of a restore that is all or nothing (the file comment): `steps` check, then apply.
@@ -123,7 +136,7 @@ inline TrainingProgress restore_checkpoint_with(CheckpointFile& file, torch::opt
     }
   }
   // 2. Apply what may still refuse, with the way back kept.
-  StateUndo undo(optimizer, callbacks);
+  StateUndo undo(optimizer, callbacks, steps.optimizer_options_only);
   steps.load_optimizer();
   try {
     file.load_states(callbacks);

@@ -69,6 +69,10 @@ struct ResumeSpec {
   /// A consumed directory (a per-rank checkpoint every rank reads) is removed by this rank when
   /// true, by none when false (another rank holds it), by the main rank when unset.
   std::optional<bool> removes_directory = std::nullopt;
+  /// The file holds the loop's state without the model and the optimizer's state, which this
+  /// process holds already as the file's step left them (elastic training's survivors that all
+  /// committed that step): only the param groups' options, progress, callbacks and streams are read.
+  bool keeps_model_and_optimizer = false;
 };
 
 /// How often the job was restarted after a failure: trainloop's launcher (max_restarts) or

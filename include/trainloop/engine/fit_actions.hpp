@@ -26,6 +26,10 @@ struct FitActions {
   /// and epoch sums from the engine's last step commit (elastic training's hand-off to the
   /// survivors of a lost rank: engine/step_commit.hpp). No collective.
   std::function<void(const std::filesystem::path&)> save_committed;
+  /// save_committed's file without the model and the optimizer's state (their param groups' options
+  /// kept), for a process that holds them already: resumed with ResumeSpec::keeps_model_and_optimizer.
+  /// No collective.
+  std::function<void(const std::filesystem::path&)> save_committed_loop_state;
 };
 
 }  // namespace trainloop::detail

@@ -238,6 +238,7 @@ class RankEngine {
           for (auto& parameter : module_->parameters()) parameter.mutable_grad().reset();  // a step half done
           sharded_.forget_layout();  // sharded state: laid out anew for the survivors, read from the hand-off
         };
+        parts.hold_committed_buffers = [this] { commits_.hold_buffers_through_next_fit(module_->buffers()); };
         parts.share_copies = [this]() -> distributed::elastic::ShareCopies* {
           return keeps_share_copies() ? &share_copies_ : nullptr;
         };

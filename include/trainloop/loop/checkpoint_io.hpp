@@ -25,7 +25,6 @@
 #include <trainloop/engine/gather_rows.hpp>
 #include <trainloop/engine/mode_engine.hpp>
 #include <trainloop/engine/optional_members.hpp>
-#include <trainloop/engine/step_commit.hpp>
 #include <trainloop/metrics/metric_accumulator.hpp>
 #include <trainloop/nn/memory_format.hpp>
 #include <trainloop/optim/optimizer_state_bytes.hpp>
@@ -38,7 +37,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <concepts>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -266,61 +264,31 @@ class CheckpointIO {
   }
 
  public:
-  /// Writes a checkpoint of the loop from this process alone (elastic training's hand-off): the
-  /// model and optimizer state this process holds (replicated: every rank's), its progress and
-  /// callbacks, and every rank's random stream and partial epoch sums as the engine's last step
-  /// commit gathered them — what save() would have written at that step, with the world size
-  /// that committed it. No collective.
-  /// @throws trainloop::Error when the engine committed no step in this fit.
-  template <ModeEngine Engine>
-  void save_committed(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path) {
-    progress::PhaseScope phase(progress::Phase::CheckpointWrite, path.filename().string());
-    const std::optional<CommittedRows> rows = committed_rows(engine);
-    TRAINLOOP_CHECK(rows.has_value() && !rows->rng.empty(), "save_committed() with no step committed in this fit; "
-                    "expected a step commit (elastic training) first");
-    torch::serialize::OutputArchive optimizer_state;
-    save_optimizer_state(optimizer_, optimizer_state);
-    nn::ContiguousScope contiguous(module_, nn::uses_channels_last(options_.memory_format(), module_));
-    write_committed(path, module_, optimizer_state, callbacks, *rows);
-  }
-
-  /// Elastic training of sharded state: the engine's copies of the state the last step left
-  /// (distributed/elastic/share_copies.hpp) — this rank's shares, and on rank 0 what no rank
-  /// shards and the loop's state as a per-rank checkpoint's trainloop.pt holds it, with every
-  /// rank's streams and sums from the last commit. At the start of each optimizer step once a step
-  /// of this fit was committed; a collective. Nothing for an engine that keeps no copies.
-  template <ModeEngine Engine>
-  void keep_share_copies(Engine& engine, const KeyedStates& callbacks) {
-    if constexpr (requires { { engine.keeps_share_copies() } -> std::convertible_to<bool>; }) {
-      if (!engine.keeps_share_copies()) return;
-      const std::optional<CommittedRows> rows = committed_rows(engine);
-      if (!rows.has_value() || rows->rng.empty()) return;  // no commit yet: a loss starts the fit again
-      progress::PhaseScope phase(progress::Phase::CheckpointWrite, "elastic share copies");
-      UnshardedTensors whole;
-      if (engine.rank() == 0) whole = unsharded_tensors(module_, optimizer_);
-      engine.keep_share_copies(progress_.global_step, checkpoint_shares(engine, module_, optimizer_), whole.parameters,
-                               whole.buffers, [&](const std::filesystem::path& file) {
-                                 torch::serialize::OutputArchive groups;
-                                 save_optimizer_groups(optimizer_, groups);
-                                 torch::nn::Module no_model;
-                                 write_committed(file, no_model, groups, callbacks, *rows);
-                               });
-    }
-  }
-
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
   /// stream when `restore_rng`). Every rank reads the file itself.
   /// @param engine the mode's engine
   /// @param path the file
   /// @param callbacks the callbacks' states, by key
   /// @param restore_rng whether this rank's random stream is restored too
+  /// @param keeps_model_and_optimizer the file holds neither: the model and the optimizer's state
+  ///        stay as they are, its param groups' options are read (ResumeSpec::keeps_model_and_optimizer)
   template <ModeEngine Engine>
-  void load(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks, bool restore_rng) {
+  void load(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks, bool restore_rng,
+            bool keeps_model_and_optimizer = false) {
     progress::PhaseScope phase(progress::Phase::CheckpointRead, path.filename().string());
     std::optional<torch::Device> device;
     if (auto parameters = module_.parameters(); !parameters.empty()) device = parameters.front().device();
     const std::optional<int64_t> rng_rank = restore_rng ? std::optional<int64_t>(engine.rank()) : std::nullopt;
-    if (is_sharded_checkpoint(path)) {
+    if (keeps_model_and_optimizer) {
+      CheckpointFile file(path, device);
+      RestoreSteps steps;
+      steps.check_model = [] {};
+      steps.check_optimizer = [&] { file.check_optimizer(optimizer_); };
+      steps.load_optimizer = [&] { file.load_optimizer(optimizer_, load_optimizer_options); };
+      steps.load_model = [] {};
+      steps.optimizer_options_only = true;
+      progress_ = restore_checkpoint_with(file, optimizer_, callbacks, rng_rank, steps);
+    } else if (is_sharded_checkpoint(path)) {
       progress_ = load_sharded(engine, path, device, callbacks, rng_rank);
     } else {
       CheckpointFile file(path, device);
@@ -337,22 +305,6 @@ class CheckpointIO {
   }
 
  private:
-  /// A checkpoint of the committed step `rows` came from (save_committed, keep_share_copies):
-  /// this process's `model` and optimizer part, its progress and callbacks, every rank's streams
-  /// and, inside an epoch, sums from the commit, with the world size that committed it.
-  void write_committed(const std::filesystem::path& path, const torch::nn::Module& model,
-                       torch::serialize::OutputArchive& optimizer_part, const KeyedStates& callbacks,
-                       const CommittedRows& rows) {
-    TrainingProgress snapshot = progress_;
-    if (progress_.mid_epoch()) snapshot.partial_totals = torch::stack(rows.totals);
-    CheckpointHeader header;
-    header.trainloop_version = identity_.trainloop_version;
-    header.mode = identity_.mode;
-    header.world_size = rows.world_size;
-    header.batch_size = options_.batch_size();
-    write_checkpoint(path, model, optimizer_part, snapshot, callbacks, rows.rng, header);
-  }
-
   /// A per-rank checkpoint (checkpoint/dcp_checkpoint.hpp), written by any mode and world size:
   /// the model read tensor by tensor, the optimizer state as this engine keeps it (a sharded
   /// engine reads only its share), all or nothing as restore_checkpoint().

@@ -21,6 +21,7 @@
 #include <trainloop/history.hpp>
 #include <trainloop/engine/step_commit.hpp>
 #include <trainloop/loop/checkpoint_io.hpp>
+#include <trainloop/loop/committed_state_io.hpp>
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/epoch_trainer.hpp>
 #include <trainloop/loop/evaluation.hpp>
@@ -64,7 +65,8 @@ class FitRunner {
         criterion_(criterion),
         options_(options),
         progress_(progress),
-        checkpoints_(module, optimizer, options, progress, std::move(identity)) {}
+        checkpoints_(module, optimizer, options, progress, identity),
+        committed_(module, optimizer, options, progress, std::move(identity)) {}
 
   /// Trains for `length` from where the loop stands, or, with `resume_from`, from a checkpoint
   /// (continuing the fit() call it was written in, or starting a new one of `length` if that
@@ -155,18 +157,21 @@ class FitRunner {
   }
 
   /// Writes a checkpoint of the loop from this process alone, every rank's streams and sums from
-  /// the engine's last step commit (FitActions::save_committed).
+  /// the engine's last step commit (FitActions::save_committed; without the model and the
+  /// optimizer's state: save_committed_loop_state).
   template <ModeEngine Engine>
-  void save_committed(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path) {
-    checkpoints_.save_committed(engine, callbacks, path);
+  void save_committed(Engine& engine, const KeyedStates& callbacks, const std::filesystem::path& path,
+                      bool with_model_and_optimizer = true) {
+    committed_.save(engine, callbacks, path, with_model_and_optimizer);
   }
 
   /// Loads a checkpoint into the model, optimizer, progress and callbacks (and this rank's random
-  /// stream when `restore_rng`). Every rank reads the file itself.
+  /// stream when `restore_rng`). Every rank reads the file itself. `keeps_model_and_optimizer`:
+  /// the file holds neither (ResumeSpec::keeps_model_and_optimizer).
   template <ModeEngine Engine>
   void load_checkpoint(Engine& engine, const std::filesystem::path& path, const KeyedStates& callbacks,
-                       bool restore_rng) {
-    checkpoints_.load(engine, path, callbacks, restore_rng);
+                       bool restore_rng, bool keeps_model_and_optimizer = false) {
+    checkpoints_.load(engine, path, callbacks, restore_rng, keeps_model_and_optimizer);
   }
 
  private:
@@ -232,7 +237,7 @@ class FitRunner {
     run.await_checkpoint_capture = [this] { checkpoints_.await_checkpoint_capture(); };
     run.poll_checkpoints = [this, &engine] { checkpoints_.poll_checkpoints(engine); };
     run.at_window_start = [this, &engine, keyed](bool epoch_start) {
-      checkpoints_.keep_share_copies(engine, keyed);
+      committed_.keep_share_copies(engine, keyed);
       // Inside an epoch only: an epoch's validation and on_epoch_end run once, before it.
       if (!epoch_start) admit_agreed_replacements(engine, [&] { checkpoints_.finish_checkpoints(engine); });
     };
@@ -338,7 +343,9 @@ class FitRunner {
   bool resume_checkpoint(Engine& engine, const ResumeSpec& resume, const KeyedStates& keyed) {
     return resume_first_readable(
         resume, engine.is_main(),
-        [&](const std::filesystem::path& path) { load_checkpoint(engine, path, keyed, /*restore_rng=*/true); },
+        [&](const std::filesystem::path& path) {
+          load_checkpoint(engine, path, keyed, /*restore_rng=*/true, resume.keeps_model_and_optimizer);
+        },
         [&engine](bool flag) { return engine.any_rank(flag); });
   }
 
@@ -363,6 +370,7 @@ class FitRunner {
   const TrainLoopOptions& options_;
   TrainingProgress& progress_;
   CheckpointIO<Module> checkpoints_;
+  CommittedStateIO<Module> committed_;  // elastic training's checkpoints of the committed step
   std::optional<FitRun> run_;  // the state of the fit() call running, while it runs
 };
 

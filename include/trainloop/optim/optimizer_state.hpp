@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace trainloop::detail {
 
@@ -39,6 +40,33 @@ inline void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::seri
       param_groups[static_cast<size_t>(i)].options().serialize(options);
     }
   }
+}
+
+/// Sets the optimizer's state aside while `use` runs and puts it back after (also on an exception):
+/// what a file of the param groups alone writes or reads (save_optimizer_groups, load_optimizer_options).
+template <class Use>
+void with_optimizer_state_aside(torch::optim::Optimizer& optimizer, Use&& use) {
+  auto state = std::move(optimizer.state());
+  optimizer.state().clear();
+  struct PutBack {
+    torch::optim::Optimizer& optimizer;
+    decltype(state)& saved;
+    ~PutBack() { optimizer.state() = std::move(saved); }
+  } put_back{optimizer, state};
+  use();
+}
+
+/// The optimizer's param groups and options in libtorch's format, without its state (which a
+/// per-rank checkpoint holds in the ranks' files): the state is moved out while libtorch writes.
+inline void save_optimizer_groups(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive) {
+  with_optimizer_state_aside(optimizer, [&] { optimizer.save(archive); });
+}
+
+/// Applies the param groups' options of `archive` (what save_optimizer_groups() or
+/// save_optimizer_state() wrote) and keeps the optimizer's state as it is: elastic training's
+/// survivors hold the committed state already (loop/checkpoint_io.hpp, keeps_model_and_optimizer).
+inline void load_optimizer_options(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+  with_optimizer_state_aside(optimizer, [&] { load_optimizer_state(optimizer, archive); });
 }
 
 }  // namespace trainloop::detail

@@ -15,8 +15,9 @@
 /// rank 0 or, on rank 0, commits: checkpoint/background_write.hpp), `share-copy` (elastic training of sharded
 /// state: inside the exchange of the step's copies with the neighbours, at the start of that step:
 /// distributed/elastic/share_copies.hpp), `join` (a replacement admitted to join at that step,
-/// before it joins the grown group: distributed/elastic/replacement_join.hpp). Only the process
-/// whose rank matches dies; several
+/// before it joins the grown group: distributed/elastic/replacement_join.hpp), `hand-off` (the same
+/// replacement once in the grown group, before the state is handed to it: elastic_fit.hpp). Only the
+/// process whose rank matches dies; several
 /// comma-separated plans kill several ranks (`1:3:forward,2:3:forward`), or one rank's place
 /// again (`2:3:forward,2:8:forward`: its replacement, joined after step 3, dies at step 8). With
 /// `TRAINLOOP_TEST_KILL_MARK=<file>` it dies only if the file does not exist yet, and writes the
@@ -43,7 +44,7 @@
 namespace trainloop::progress {
 
 /// Where a test may kill a rank (see the file comment).
-enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite, ShareCopy, Join };
+enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite, ShareCopy, Join, HandOff };
 
 namespace detail {
 
@@ -67,6 +68,7 @@ inline std::optional<KillPoint> parse_kill_point(std::string_view point) {
   if (point == "background-write") return KillPoint::BackgroundWrite;
   if (point == "share-copy") return KillPoint::ShareCopy;
   if (point == "join") return KillPoint::Join;
+  if (point == "hand-off") return KillPoint::HandOff;
   return std::nullopt;
 }
 

@@ -140,7 +140,7 @@ class CollectiveIssuer {
     }
   }
 
-  /// Waits for a point-to-point operation (`what`, ProcessGroup::pass_to_left). Gloo's send and
+  /// Waits for a point-to-point operation (`what`, point_to_point.hpp). Gloo's send and
   /// receive complete only inside their own wait(), so no completion can be polled and the probe
   /// of an elastic group cannot abandon the wait: a lost peer's closed connection ends it with an
   /// error instead, and the group's timeout bounds it. The collective log sees the wait.

@@ -16,7 +16,8 @@
 /// instead of the backend's words. (Other groups are not logged: their numbers would not match.)
 ///
 /// How one collective is staged, logged, issued and waited for: collective_issuer.hpp; what a
-/// failed one becomes: collective_failure.hpp; many tensors in flat buffers: flat_collectives.hpp.
+/// failed one becomes: collective_failure.hpp; many tensors in flat buffers: flat_collectives.hpp;
+/// bytes from one rank to another: point_to_point.hpp.
 
 #include <trainloop/detail/padded_rows.hpp>
 #include <trainloop/detail/torch_compat.hpp>
@@ -255,76 +256,6 @@ class ProcessGroup {
                             [&] { return issuer_.native_checked()->allgather(outputs, inputs, options); });
   }
 
-  /// Every rank sends `mine` (1-D uint8 on the CPU, any length) to the rank before it (rank r to
-  /// r-1, rank 0 to the last) and returns what the rank after it sent — in `reuse` when it has that
-  /// length (no allocation step after step), else in a new tensor. The lengths travel first (an
-  /// all-gather of one number per rank). Elastic training's neighbour copies of sharded state
-  /// (distributed/elastic/share_copies.hpp): (W-1)/W less on the wire than an all-gather would.
-  torch::Tensor pass_to_left(const torch::Tensor& mine, torch::Tensor reuse = torch::Tensor()) {
-    torch::NoGradGuard no_grad;
-    TRAINLOOP_CHECK(mine.dim() == 1 && mine.scalar_type() == torch::kUInt8 && mine.device().is_cpu(),
-                    "pass_to_left sends 1-D uint8 bytes on the CPU; got ", c10::toString(mine.scalar_type()), " ",
-                    mine.sizes(), " on ", mine.device());
-    const torch::Tensor lengths = all_gather(torch::full({1}, mine.numel(), torch::kInt64)).reshape({-1}).to(torch::kCPU);
-    const int world = issuer_.world_size();
-    const int left = (issuer_.rank() + world - 1) % world;
-    const int right = (issuer_.rank() + 1) % world;
-    const std::int64_t incoming = lengths[right].item<std::int64_t>();
-    torch::Tensor theirs = reuse.defined() && reuse.is_contiguous() && reuse.numel() == incoming &&
-                                   reuse.scalar_type() == torch::kUInt8 && reuse.device().is_cpu()
-                               ? reuse
-                               : torch::empty({incoming}, torch::kUInt8);
-    if (world == 1) {
-      theirs.copy_(mine);
-      return theirs;
-    }
-    std::vector<torch::Tensor> out{mine.contiguous()};
-    std::vector<torch::Tensor> in{theirs};
-    constexpr int kTag = 0x7e1a;  // this exchange's messages only
-    // Logged as one call without a size: the ranks' lengths differ by design.
-    const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::PassToLeft, torch::Tensor());
-    WorkHandle sent = issuer_.launched(seq, "pass_to_left", [&] { return issuer_.native_checked()->send(out, left, kTag); });
-    WorkHandle received = issuer_.launched(0, "pass_to_left", [&] { return issuer_.native_checked()->recv(in, right, kTag); });
-    issuer_.wait_point_to_point(received, "pass_to_left");
-    issuer_.wait_point_to_point(sent, "pass_to_left");
-    return theirs;
-  }
-
-  /// Rank `from`'s `bytes` (1-D uint8 on the CPU, any length) to rank `to`, the length first.
-  /// Every rank calls it (one call in every rank's collective log, so the stall watchdog's
-  /// comparison holds) but only those two exchange anything: `to` gets the bytes, every other rank
-  /// an undefined tensor. Elastic training's hand-off to other machines (elastic/machine_directory.hpp).
-  torch::Tensor send_bytes(const torch::Tensor& bytes, int from, int to) {
-    torch::NoGradGuard no_grad;
-    const int world = issuer_.world_size();
-    TRAINLOOP_CHECK(from >= 0 && from < world && to >= 0 && to < world && from != to, "send_bytes from rank ", from,
-                    " to rank ", to, "; expected two different ranks of ", world);
-    const std::uint64_t seq = issuer_.log_call(progress::CollectiveKind::SendBytes, torch::Tensor());
-    const int me = issuer_.rank();
-    if (me != from && me != to) return torch::Tensor();
-    constexpr int kTag = 0x7e1b;  // this exchange's messages only
-    auto exchange = [&](torch::Tensor tensor, std::uint64_t logged) {
-      std::vector<torch::Tensor> tensors{std::move(tensor)};
-      WorkHandle work = issuer_.launched(logged, "send_bytes", [&] {
-        return me == from ? issuer_.native_checked()->send(tensors, to, kTag) : issuer_.native_checked()->recv(tensors, from, kTag);
-      });
-      issuer_.wait_point_to_point(work, "send_bytes");
-    };
-    if (me == from) {
-      TRAINLOOP_CHECK(bytes.dim() == 1 && bytes.scalar_type() == torch::kUInt8 && bytes.device().is_cpu(),
-                      "send_bytes sends 1-D uint8 bytes on the CPU; got ", c10::toString(bytes.scalar_type()), " ",
-                      bytes.sizes(), " on ", bytes.device());
-      exchange(torch::full({1}, bytes.numel(), torch::kInt64), seq);
-      if (bytes.numel() > 0) exchange(bytes.contiguous(), 0);
-      return torch::Tensor();
-    }
-    torch::Tensor length = torch::empty({1}, torch::kInt64);
-    exchange(length, seq);
-    torch::Tensor received = torch::empty({length.item<std::int64_t>()}, torch::kUInt8);
-    if (received.numel() > 0) exchange(received, 0);
-    return received;
-  }
-
   /// Blocks until every rank has reached the barrier.
   void barrier() {
     ::c10d::BarrierOptions options;
@@ -342,6 +273,10 @@ class ProcessGroup {
   /// different collectives; running out of memory stays a c10::OutOfMemoryError (with that
   /// context added). While it blocks, the stall watchdog sees which collective it waits for.
   void wait(const WorkHandle& work, const char* what = "collective") const { issuer_.wait(work, what); }
+
+  /// How this group's operations are logged, issued and waited for: for the point-to-point
+  /// exchanges of point_to_point.hpp, which every rank calls as it calls a collective.
+  detail::CollectiveIssuer& issuer() { return issuer_; }
 
  private:
   void all_reduce(const torch::Tensor& tensor, ::c10d::ReduceOp op, const char* what) {

@@ -1,19 +1,21 @@
 #pragma once
 /// @file
 /// @brief A fit that survives the loss of a rank (gpu_mode's elastic(true)): the loop's fit runs;
-/// when a collective fails because a rank was lost, the survivors regroup (regroup.hpp), the one
-/// holding the newest committed step (step_committer.hpp) writes the loop's state as a checkpoint
-/// of that step would hold it, the bytes go to every survivor over the new group, and each
-/// resumes from them with the new world size — as a run that changed its world size at that step
-/// on purpose resumes from its checkpoint, so the result is that run's, and every sample of the
-/// epoch is counted once. The step in flight is redone by the survivors; no committed step is lost.
+/// when a collective fails because a rank was lost, the survivors regroup (regroup.hpp) and resume
+/// from the newest committed step (step_committer.hpp) with the new world size — as a run that
+/// changed its world size at that step on purpose resumes from its checkpoint, so the result is
+/// that run's, and every sample of the epoch is counted once. The step in flight is redone by the
+/// survivors; no committed step is lost. Replicated state that every survivor committed stays in
+/// place: each writes the loop's state alone (streams, sums, progress: a few KB) and keeps its
+/// model and optimizer; survivors a step apart get the holder's whole state over the new group;
+/// sharded state is rebuilt from the copies (sharded_hand_off.hpp).
 ///
 /// The hand-off passes through a file in memory (/dev/shm where there is one, else the run
-/// directory): the loop resumes from a checkpoint archive, and an archive is what it reads. A
-/// replicated hand-off stays until the next step is committed (PendingHandOff): a second loss before
-/// that commit resumes from it again; a sharded one is removed as soon as it is loaded. Nothing is
-/// read from the job's checkpoints. Before any step of the fit was committed, the survivors start
-/// the fit again from where it started (the caller's state, or the checkpoint it resumed).
+/// directory): the loop resumes from a checkpoint archive. A replicated hand-off stays until the
+/// next step is committed (PendingHandOff): a second loss before that commit resumes from it
+/// again; a sharded one is removed as soon as it is loaded. Nothing is read from the job's
+/// checkpoints. Before any step of the fit was committed, the survivors start the fit again from
+/// where it started (the caller's state, or the checkpoint it resumed).
 ///
 /// Replacements (replacement_join.hpp): at the step boundary the ranks agreed on, every member
 /// leaves the fit (ReplacementsJoin), the group grows by the replacements admitted, and every rank
@@ -26,6 +28,7 @@
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/comm/text_collectives.hpp>
 #include <trainloop/distributed/elastic/admission.hpp>
+#include <trainloop/distributed/elastic/elastic_fit_parts.hpp>
 #include <trainloop/distributed/elastic/hand_off_file.hpp>
 #include <trainloop/distributed/elastic/machine_directory.hpp>
 #include <trainloop/distributed/elastic/pending_hand_off.hpp>
@@ -39,6 +42,7 @@
 #include <trainloop/engine/fit_actions.hpp>
 #include <trainloop/error.hpp>
 #include <trainloop/history.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <torch/torch.h>
 
@@ -58,22 +62,6 @@
 #include <vector>
 
 namespace trainloop::distributed::elastic {
-
-/// What the elastic fit needs of the engine.
-struct ElasticFitParts {
-  const RankEnv* env = nullptr;                    ///< this rank (the launcher's numbering)
-  StepCommitter* commits = nullptr;                ///< the engine's commits of this fit
-  std::function<void()> put_back_committed_state;  ///< buffers as committed, gradients cleared
-  std::chrono::milliseconds elastic_wait{30000};   ///< gpu_mode's elastic_wait
-  std::function<std::uintmax_t()> state_bytes;     ///< about what a checkpoint of the loop takes (where it fits)
-  /// Sharded state (ZeRO): this rank's copies of its own and its neighbour's shares
-  /// (share_copies.hpp); null when the state is replicated.
-  std::function<ShareCopies*()> share_copies;
-  /// Replacements (admission.hpp): rank 0's queue (null elsewhere), and in a replacement the
-  /// options of the group it joins (backend, device, timeout).
-  JoinWatch* join_watch = nullptr;
-  ProcessGroupOptions group_options;  ///< a replacement's group: backend, device, timeout
-};
 
 namespace detail {
 
@@ -115,30 +103,38 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
     next.removes_directory = directory.lead;  // each machine's copy, by its lead
   } else if (!copies && m.committed_step >= 0) {
     const int generation = ::trainloop::distributed::elastic::detail::generation();
-    // Every survivor committed that step: each holds its weights and optimizer state (replicated,
-    // the same on every rank) and the commit's streams and sums, so each writes its own hand-off and
-    // nothing travels (for the 100 M MLP the copy over Gloo took ~5 s of a 6 s hand-off).
-    // (TRAINLOOP_TEST_ELASTIC_SHARE: tests take the path of survivors a step apart, which timing decides.)
-    const bool own_state = m.all_committed && std::getenv("TRAINLOOP_TEST_ELASTIC_SHARE") == nullptr;
     // That step is the kept hand-off's (a second loss before the next commit): its file is the state.
     const bool from_pending = holds_pending && m.committed_step == pending.step();
-    auto write_state = [&](const std::filesystem::path& path) {
-      if (!from_pending) return actions.save_committed(path);
-      std::error_code not_linked;  // a link where the file system allows one, else a copy
-      std::filesystem::create_hard_link(pending.path(), path, not_linked);
-      if (not_linked) std::filesystem::copy_file(pending.path(), path, std::filesystem::copy_options::overwrite_existing);
-    };
-    const std::filesystem::path file =
-        own_state ? [&] {
-          if (from_pending) return pending.path();
-          const std::filesystem::path own = detail::hand_off_path(*parts.env, generation, parts.state_bytes ? parts.state_bytes() : 0);
-          actions.save_committed(own);
-          return own;
-        }()
-                        : detail::share_file(
-        group, regrouped->holder_rank, parts.state_bytes ? parts.state_bytes() : 0,
-        [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); }, write_state);
-    next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
+    // (TRAINLOOP_TEST_ELASTIC_SHARE: tests take the path of survivors a step apart, which timing decides.)
+    if (m.all_committed && std::getenv("TRAINLOOP_TEST_ELASTIC_SHARE") == nullptr) {
+      // Every survivor committed that step: each holds its weights and optimizer state as the step
+      // left them (replicated, the same on every rank) and the commit's streams and sums. So each
+      // keeps its model and optimizer where they are and writes only the loop's state (a few KB):
+      // nothing travels, nothing of the model's size is written or read (the 100 M MLP's 1.2 GB
+      // archive took seconds to write and load again: benchmarks/README.md, "elastic_recovery").
+      const std::filesystem::path file =
+          from_pending ? pending.path() : detail::hand_off_path(*parts.env, generation, detail::kLoopStateBytes);
+      next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
+      next.keeps_model_and_optimizer = !from_pending || pending.keeps_model_and_optimizer();
+      if (!from_pending) actions.save_committed_loop_state(file);
+      // Until the next commit, a loss puts back that step's buffers from memory (the file has none).
+      if (next.keeps_model_and_optimizer) parts.hold_committed_buffers();
+    } else {
+      // Survivors a step apart: the holder's whole state goes to every survivor over the new group.
+      auto write_state = [&](const std::filesystem::path& path) {
+        if (!from_pending) return actions.save_committed(path);
+        // A kept hand-off of the loop's state alone is every survivor's (they all hold its step).
+        TRAINLOOP_CHECK(!pending.keeps_model_and_optimizer(), "the kept hand-off ", pending.path().string(),
+                        " holds the loop's state alone; expected every survivor to hold its step ", pending.step());
+        std::error_code not_linked;  // a link where the file system allows one, else a copy
+        std::filesystem::create_hard_link(pending.path(), path, not_linked);
+        if (not_linked) std::filesystem::copy_file(pending.path(), path, std::filesystem::copy_options::overwrite_existing);
+      };
+      const std::filesystem::path file = detail::share_file(
+          group, regrouped->holder_rank, parts.state_bytes ? parts.state_bytes() : 0,
+          [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); }, write_state);
+      next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
+    }
     pending.keep(next, m.committed_step, *parts.commits);
   } else {
     pending.drop();  // the fit starts again from its start
@@ -172,7 +168,7 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
 /// two is rank 0's `sharded` (the members wrote their copies; a replacement cannot know).
 inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::detail::FitActions& actions, ProcessGroup& group,
                                                           bool over_group, const std::string& hand_off, bool removes_it,
-                                                          bool sharded, const ElasticFitParts& parts) {
+                                                          bool sharded, bool loop_state_only, const ElasticFitParts& parts) {
   std::filesystem::path file = hand_off;
   const int generation = ::trainloop::distributed::elastic::detail::generation();
   if (over_group) sharded = broadcast_text(group, sharded ? "1" : "0", 0) == "1";
@@ -194,6 +190,8 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
   ::trainloop::detail::ResumeSpec next{{file}, true, false, "", /*announce=*/false};
   next.consume = true;
   next.removes_directory = removes_it;
+  next.keeps_model_and_optimizer = loop_state_only && !over_group;  // over the group: the state sent replaced it
+  if (next.keeps_model_and_optimizer) parts.hold_committed_buffers();
   return next;
 }
 
@@ -210,6 +208,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
   const auto began = std::chrono::steady_clock::now();
   ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
   const std::int64_t step = copies ? copies->newest_step() : parts.commits->committed_step();
+  const int generation = ::trainloop::distributed::elastic::detail::generation();
   parts.put_back_committed_state();
   std::string own;  // what this member resumes from
   bool removes_own = false;  // sharded: this member removes its machine's copy once every rank read it
@@ -224,12 +223,13 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
                                                               parts.state_bytes ? parts.state_bytes() : 0);
     own = directory.path.string();
     removes_own = directory.lead;
-  } else {  // every member committed that step: its weights, optimizer state, streams and sums
-    own = detail::hand_off_path(*parts.env, ::trainloop::distributed::elastic::detail::generation(),
-                                parts.state_bytes ? parts.state_bytes() : 0).string();
-    actions.save_committed(own);
+  } else {  // every member committed that step and holds its weights and optimizer state: the loop's state alone
+    own = detail::hand_off_path(*parts.env, generation, detail::kLoopStateBytes).string();
+    actions.save_committed_loop_state(own);
   }
   // On rank 0: where each replacement finds the state (all empty: one is on another machine).
+  // Replicated state on this machine: rank 0's whole state, written once, a link for each.
+  std::filesystem::path whole;
   std::vector<std::filesystem::path> links;  // rank 0's links for the replacements (each consumes its own)
   auto hand_offs_for = [&](const std::vector<JoinRequest>& joining) {
     const bool local = std::all_of(joining.begin(), joining.end(), [](const JoinRequest& r) { return r.on_this_machine(); });
@@ -239,8 +239,12 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
         hand_offs.push_back(copies && local ? own : std::string());
         continue;
       }
-      const std::string link = ::trainloop::detail::concat(own, ".t", request.ticket);
-      std::filesystem::create_hard_link(own, link);
+      if (whole.empty()) {
+        whole = detail::hand_off_path(*parts.env, generation, parts.state_bytes ? parts.state_bytes() : 0, "-whole");
+        actions.save_committed(whole);
+      }
+      const std::string link = ::trainloop::detail::concat(whole.string(), ".t", request.ticket);
+      std::filesystem::create_hard_link(whole, link);
       links.emplace_back(link);
       hand_offs.push_back(link);
     }
@@ -248,13 +252,15 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
   };
   const Grown grown = grow_job(*parts.env, parts.join_watch, join.waiting(), step, hand_offs_for,
                                parts.elastic_wait + std::chrono::seconds(30), parts.elastic_wait);
+  std::error_code ignored;
+  if (!whole.empty()) std::filesystem::remove(whole, ignored);  // the replacements hold their links
   if (!grown.not_formed.empty()) {
-    std::error_code ignored;
     for (const std::filesystem::path& link : links) std::filesystem::remove(link, ignored);  // nobody reads them now
   }
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
   ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, group, grown.decision.over_group, own, removes_own,
-                                                            /*sharded=*/copies != nullptr, parts);
+                                                            /*sharded=*/copies != nullptr, /*loop_state_only=*/copies == nullptr,
+                                                            parts);
   pending.keep(next, step, *parts.commits);
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
@@ -290,10 +296,12 @@ inline ::trainloop::detail::ResumeSpec join_running_fit(const ::trainloop::detai
   std::optional<Admission> admission =
       join_as_replacement(*parts.env, parts.group_options, parts.elastic_wait + std::chrono::seconds(30), parts.elastic_wait);
   if (!admission) throw FitEndedBeforeAdmission();
+  progress::test_kill_point(progress::KillPoint::HandOff, admission->step + 1);
   // A replacement on rank 0's machine reads rank 0's copy, which rank 0 removes.
   ::trainloop::detail::ResumeSpec next = admission_hand_off(actions, ::trainloop::distributed::detail::session_group().group,
                                                             admission->hand_off.empty(), admission->hand_off,
-                                                            /*removes_it=*/false, /*sharded=*/false, parts);
+                                                            /*removes_it=*/false, /*sharded=*/false, /*loop_state_only=*/false,
+                                                            parts);
   pending.keep(next, admission->step, *parts.commits);
   return next;
 }
@@ -312,12 +320,16 @@ inline History train_elastic(const ::trainloop::detail::FitActions& actions, con
   ::trainloop::detail::ResumeSpec from = awaiting_admission() ? join_running_fit(actions, parts, pending) : start;
   for (;;) {
     try {
-      History history = actions.train(from);
-      const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
-      if (group.valid() && group.rank() == 0) close_admissions(*group.job_store());  // replacements still waiting end
-      return history;
-    } catch (const ReplacementsJoin& join) {
-      from = admit_replacements(actions, join, parts, pending);
+      try {
+        History history = actions.train(from);
+        const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
+        if (group.valid() && group.rank() == 0) close_admissions(*group.job_store());  // replacements still waiting end
+        return history;
+      } catch (const ReplacementsJoin& join) {
+        // A replacement lost while the grown group hands it the state (another machine's) is lost
+        // as any rank: the members still hold the step they were resuming (below).
+        from = admit_replacements(actions, join, parts, pending);
+      }
     } catch (const std::exception& error) {
       const ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
       if (!detail::may_be_a_lost_rank(error) || !group.valid() || group.world_size() == 1) throw;

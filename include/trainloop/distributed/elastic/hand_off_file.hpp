@@ -40,10 +40,15 @@ inline void write_file_bytes(const std::filesystem::path& path, const torch::Ten
   std::filesystem::rename(partial, path);
 }
 
+/// Room asked for a hand-off of the loop's state alone (no model, no optimizer state: every rank's
+/// random stream, ~5 KB, its sums, the progress and the callbacks' states): far more than it takes.
+inline constexpr std::uintmax_t kLoopStateBytes = std::uintmax_t{16} << 20;
+
 /// Where this process's hand-off file of about `bytes` goes: /dev/shm when it has room for it (a
-/// container's is often 64 MiB), else the run directory or TMPDIR (in_memory_path()).
-inline std::filesystem::path hand_off_path(const RankEnv& env, int generation, std::uintmax_t bytes) {
-  return in_memory_path(env, ::trainloop::detail::concat(::getpid(), "-g", generation, ".ckpt"), bytes);
+/// container's is often 64 MiB), else the run directory or TMPDIR (in_memory_path()). `kind` tells
+/// two files of one generation apart.
+inline std::filesystem::path hand_off_path(const RankEnv& env, int generation, std::uintmax_t bytes, const char* kind = "") {
+  return in_memory_path(env, ::trainloop::detail::concat(::getpid(), "-g", generation, kind, ".ckpt"), bytes);
 }
 
 /// The file `write_root` writes on `root`, copied to every rank of `group` (a collective); returns

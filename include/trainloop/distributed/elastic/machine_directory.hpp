@@ -6,8 +6,8 @@
 /// by its lead (the lowest rank there that knows one, else the lowest rank there) and named after
 /// that rank's launcher — whose clean-up removes what a killed rank leaves on that machine. The
 /// ranks write their files into their machine's copy; then every file a machine lacks comes from
-/// the lead of the first machine that has it, point to point (ProcessGroup::send_bytes): each
-/// machine receives only what it lacks, once. On one machine there is one directory and nothing
+/// the lead of the first machine that has it, point to point (send_bytes, comm/point_to_point.hpp):
+/// each machine receives only what it lacks, once. On one machine there is one directory and nothing
 /// travels. Machines are told apart by pid_domain_tag() (boot id, host name, pid namespace).
 ///
 /// Both functions are collectives over the group and never throw between its collectives: a
@@ -16,6 +16,7 @@
 
 #include <trainloop/detail/format.hpp>
 #include <trainloop/detail/process_identity.hpp>
+#include <trainloop/distributed/comm/point_to_point.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/text_collectives.hpp>
 #include <trainloop/distributed/elastic/hand_off_file.hpp>
@@ -156,7 +157,7 @@ inline void fill_from_other_machines(ProcessGroup& group, const MachineDirectory
           data = torch::empty({0}, torch::kUInt8);  // the receiver still gets its message; the agreement fails
         }
       }
-      const torch::Tensor received = group.send_bytes(data, from, to);
+      const torch::Tensor received = send_bytes(group, data, from, to);
       if (group.rank() != to) continue;
       try {
         detail::write_file_bytes(mine.path / file, received);

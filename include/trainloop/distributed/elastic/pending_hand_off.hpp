@@ -27,6 +27,9 @@ class PendingHandOff {
   std::int64_t step() const { return step_; }
   /// Its file.
   const std::filesystem::path& path() const { return path_; }
+  /// Whether it holds the loop's state alone, the model and optimizer kept in memory
+  /// (ResumeSpec::keeps_model_and_optimizer).
+  bool keeps_model_and_optimizer() const { return keeps_model_and_optimizer_; }
 
   /// `next` resumes from a replicated hand-off of step `step` (one file): it is kept (not removed
   /// once loaded) until `commits`' next commit. A sharded hand-off (a directory) is not kept.
@@ -40,6 +43,7 @@ class PendingHandOff {
     next.consume = false;
     path_ = next.candidates.front();
     step_ = step;
+    keeps_model_and_optimizer_ = next.keeps_model_and_optimizer;
     commits.after_next_commit([this] { drop(); });
   }
 
@@ -50,11 +54,13 @@ class PendingHandOff {
     std::filesystem::remove(path_, ignored);
     path_.clear();
     step_ = -1;
+    keeps_model_and_optimizer_ = false;
   }
 
  private:
   std::filesystem::path path_;
   std::int64_t step_ = -1;
+  bool keeps_model_and_optimizer_ = false;
 };
 
 }  // namespace trainloop::distributed::elastic

@@ -27,6 +27,7 @@
 
 #include <trainloop/checkpoint/share_capture.hpp>
 #include <trainloop/detail/format.hpp>
+#include <trainloop/distributed/comm/point_to_point.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/elastic/box_descriptor.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
@@ -122,9 +123,9 @@ class ShareCopies {
       }
       write_loop_state(slot.loop_state);
     }
-    slot.neighbour_boxes = group.pass_to_left(detail::encode_boxes(slot.own.boxes()), slot.neighbour_boxes);
+    slot.neighbour_boxes = pass_to_left(group, detail::encode_boxes(slot.own.boxes()), slot.neighbour_boxes);
     progress::test_kill_point(progress::KillPoint::ShareCopy);  // its neighbours inside the block's pass
-    slot.neighbour_block = group.pass_to_left(slot.own.block(), slot.neighbour_block);
+    slot.neighbour_block = pass_to_left(group, slot.own.block(), slot.neighbour_block);
     slot.step = step;
   }
 

@@ -30,11 +30,22 @@ namespace trainloop::distributed::elastic {
 /// One rank's commits of one fit (see the file comment).
 class StepCommitter {
  public:
-  /// A new fit: nothing committed yet.
+  /// A new fit: nothing committed yet (the buffers hold_buffers_through_next_fit() held are kept).
   void begin_fit() {
     record_ = CommitRecord();
     staged_totals_ = torch::Tensor();
+    if (!std::exchange(keep_buffers_, false)) committed_buffers_.clear();
+  }
+
+  /// `buffers` as they are now (the committed step's, put back) are held as committed through the
+  /// next begin_fit(): the fit that follows resumes from that step with the model kept in memory
+  /// (elastic_fit.hpp's hand-off in place), so until it commits, restore_buffers() puts back that
+  /// step's buffers, which its forward may have moved — also on one rank, whose commits hold none.
+  void hold_buffers_through_next_fit(const std::vector<torch::Tensor>& buffers) {
+    torch::NoGradGuard no_grad;
     committed_buffers_.clear();
+    for (const torch::Tensor& buffer : buffers) committed_buffers_.push_back(buffer.detach().clone());
+    keep_buffers_ = true;
   }
 
   /// This rank's epoch sums for the coming commit (any device; packed float64).
@@ -95,6 +106,7 @@ class StepCommitter {
   CommitRecord record_;
   torch::Tensor staged_totals_;
   std::vector<torch::Tensor> committed_buffers_;
+  bool keep_buffers_ = false;
   std::function<void()> after_next_commit_;
 };
 

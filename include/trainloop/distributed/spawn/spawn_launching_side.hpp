@@ -68,9 +68,9 @@ inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions
         std::string ranks;
         for (const int rank : lost) ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank);
         throw Error(::trainloop::detail::concat(
-            "trainloop: every rank this launcher started was lost (", ranks, ") and no replacement joined before the "
-            "fit ended: the job went on without them on the other machines, and this machine holds no trained state; "
-            "expected a rank of this machine at the fit's end (max_replacements, docs/elastic.md)"));
+            "trainloop: every rank this launcher started was lost (", ranks, ") and no replacement of theirs was in the "
+            "job when the fit ended: the job went on without them on the other machines, and this machine holds no "
+            "trained state; expected a rank of this machine at the fit's end (max_replacements, docs/elastic.md)"));
       }
       History history = actions.load(run_dir / "trained.ckpt");
       // Kept for the ranks of later calls, which pass this one (see the file comment).
