@@ -1,9 +1,9 @@
 # The Python side of test_exported_program: timm models exported by torch.export, and the same
 # steps trained in Python eager as references for export_worker's (C++) runs.
 #
-#   export_reference.py generate OUT MODEL...        OUT/MODEL.pt2, MODEL_data.pt, and per optimizer
+#   export_reference.py generate OUT STEPS MODEL...  OUT/MODEL.pt2, MODEL_data.pt, and per optimizer
 #                                                    (sgd, adamw, torch_adamw) and mode (single, ddp):
-#                                                    MODEL_OPT_MODE.pt (state_dict after 20 steps) and
+#                                                    MODEL_OPT_MODE.pt (state_dict after STEPS steps) and
 #                                                    MODEL_OPT_MODE_logits.pt (eval-mode logits of xe)
 #   export_reference.py check_back OUT MODEL CPP_DIR  C++'s state.pt into timm's model (strict), and
 #                                                    its trained.pt2 through torch.export.load
@@ -13,7 +13,7 @@ import sys, os, copy, collections, math
 import torch, torch.nn as nn, timm
 torch.set_num_threads(1)
 command, out = sys.argv[1], sys.argv[2]
-STEPS, BATCH = 20, 8
+STEPS, BATCH = int(sys.argv[3]) if command == 'generate' else 0, 8
 
 def make(name):
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def train_ddp(model, kind, x, y):  # two ranks of BATCH/2 each: rank r gets samp
     return ranks[0]
 
 if command == 'generate':
-    for name in sys.argv[3:]:
+    for name in sys.argv[4:]:
         model = make(name)
         torch.manual_seed(1)
         x, y, xe = torch.randn(STEPS * BATCH, 3, 32, 32), torch.randint(0, 10, (STEPS * BATCH,)), torch.randn(5, 3, 32, 32)

@@ -6,7 +6,7 @@
 // module would, train and eval; every kind of bad archive is a clear error at load. Against
 // Python (this build's torch release and timm in TRAINLOOP_PYTHON; skipped per case where it has none): timm's
 // resnet18, efficientnet_b0, convnext_atto and vit_tiny_patch16_224 exported by torch.export,
-// trained 20 steps by export_worker in single and ddp, equal Python eager's same steps; every
+// trained 10 steps by export_worker in single and ddp, equal Python eager's same steps; every
 // mode and option trains them; the trained weights go back to Python both ways.
 
 #include "pt2_fixture.hpp"
@@ -607,6 +607,9 @@ BOOST_AUTO_TEST_CASE(fine_tuning_groups_and_freezes_by_python_names) {
 namespace {
 
 const std::vector<std::string> kModels = {"resnet18", "efficientnet_b0", "convnext_atto", "vit_tiny_patch16_224"};
+/// Steps of each run against Python (Python trains the same number: generate's argument). 10 show
+/// what 20 did (bit for bit equal, every tensor) in half the time: these runs were CI's largest entries.
+constexpr int kSteps = 10;
 
 /// A Python with torch.export and timm (TRAINLOOP_PYTHON: the venv of this build's pip torch), or "".
 bool export_python_found() {
@@ -653,7 +656,9 @@ PythonRun run_reference(const fs::path& dir, const std::string& command, const s
 /// Runs export_reference.py generate into `dir` (which it creates); fails the case with Python's log.
 void generate_references(const fs::path& dir) {
   fs::create_directories(dir);
-  const auto run = run_reference(dir, "generate", kModels);
+  std::vector<std::string> args{std::to_string(kSteps)};
+  args.insert(args.end(), kModels.begin(), kModels.end());
+  const auto run = run_reference(dir, "generate", args);
   BOOST_REQUIRE_MESSAGE(run.exit_code == 0, "Python's generate failed:\n" + run.output);
 }
 
@@ -747,11 +752,11 @@ BOOST_AUTO_TEST_CASE(timm_models_train_as_python_eager_in_single_and_ddp, *boost
     for (const std::string optimizer : {"sgd", "adamw"}) {
       for (const std::string mode : {"single", "ddp"}) {
         const auto out = work().path / (model + "_" + optimizer + "_" + mode);
-        run_worker(model, out, mode, mode == "ddp" ? 4 : 8, 20, optimizer);  // ddp: 2 ranks x 4 = one process's 8
+        run_worker(model, out, mode, mode == "ddp" ? 4 : 8, kSteps, optimizer);  // ddp: 2 ranks x 4 = one process's 8
         std::string where;
         const double state = worst_relative(out / "state.pt", dir / (model + "_" + optimizer + "_" + mode + ".pt"), &where);
         const double logits = worst_relative(out / "eval_logits.pt", dir / (model + "_" + optimizer + "_" + mode + "_logits.pt"));
-        BOOST_TEST_MESSAGE(model << " " << optimizer << " " << mode << ", 20 steps: weights and buffers within " << state
+        BOOST_TEST_MESSAGE(model << " " << optimizer << " " << mode << ", " << kSteps << " steps: weights and buffers within " << state
                                  << " relative of Python eager (worst: " << where << "), eval logits within " << logits);
         BOOST_TEST(state <= 1e-5, model << " " << optimizer << " " << mode << ": " << where << " " << state);
         BOOST_TEST(logits <= 1e-5, model << " " << optimizer << " " << mode << " eval logits " << logits);
@@ -770,7 +775,7 @@ BOOST_AUTO_TEST_CASE(trained_programs_go_back_to_python, *boost::unit_test::prec
   const auto& dir = python_files();
   for (const auto& model : kModels) {
     const auto out = work().path / (model + "_sgd_single");
-    if (!fs::exists(out / "trained.pt2")) run_worker(model, out, "single", 8, 20, "sgd");
+    if (!fs::exists(out / "trained.pt2")) run_worker(model, out, "single", 8, kSteps, "sgd");
     const auto run = run_reference(dir, "check_back", {model, out.string()});
     BOOST_TEST_MESSAGE(model << ": " << run.output.substr(run.output.rfind("strict_load")));
     BOOST_REQUIRE_MESSAGE(run.exit_code == 0, run.output);
@@ -785,15 +790,15 @@ BOOST_AUTO_TEST_CASE(every_mode_and_option_trains_an_exported_model, *boost::uni
   const auto& dir = python_files();
   const std::string model = "convnext_atto";  // no BatchNorm: replicas and ranks equal one process up to summation order
   const auto single = work().path / "options_single", ddp = work().path / "options_ddp";
-  run_worker(model, single, "single", 8, 20, "sgd");
-  run_worker(model, ddp, "ddp", 4, 20, "sgd");
-  run_worker(model, work().path / "options_dp", "dp", 8, 20, "sgd");
+  run_worker(model, single, "single", 8, kSteps, "sgd");
+  run_worker(model, ddp, "ddp", 4, kSteps, "sgd");
+  run_worker(model, work().path / "options_dp", "dp", 8, kSteps, "sgd");
   const double dp = worst_relative(work().path / "options_dp" / "state.pt", single / "state.pt");
   BOOST_TEST_MESSAGE("dp (2 replicas) vs single: " << dp);
   BOOST_TEST(dp <= 1e-4);
   for (const std::string level : {"optimizer", "gradients", "full"}) {
     const auto out = work().path / ("options_sharding_" + level);
-    run_worker(model, out, "ddp", 4, 20, "sgd", "sharding=" + level);
+    run_worker(model, out, "ddp", 4, kSteps, "sgd", "sharding=" + level);
     const double sharded = worst_relative(out / "state.pt", ddp / "state.pt");
     BOOST_TEST_MESSAGE("ddp sharding " << level << " vs ddp: " << sharded);
     BOOST_TEST(sharded == 0.0, "sharding " << level << ": " << sharded);
@@ -813,7 +818,7 @@ BOOST_AUTO_TEST_CASE(every_mode_and_option_trains_an_exported_model, *boost::uni
     BOOST_TEST(apart < bound, what << ": " << apart);
   }
   // Fine-tuning: the stem frozen by name stays as exported, the rest trains.
-  run_worker(model, work().path / "options_frozen", "single", 8, 20, "sgd", "freeze=stem");
+  run_worker(model, work().path / "options_frozen", "single", 8, kSteps, "sgd", "freeze=stem");
   const auto frozen = interop::read_python_state_dict(work().path / "options_frozen" / "state.pt");
   const auto initial = interop::module_state_dict(*interop::ExportedProgram(dir / (model + ".pt2")));
   std::map<std::string, torch::Tensor> before(initial.begin(), initial.end());
