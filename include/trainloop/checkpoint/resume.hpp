@@ -75,6 +75,15 @@ struct ResumeSpec {
   bool keeps_model_and_optimizer = false;
 };
 
+/// A file the job wrote for this process to resume from (a launcher's initial state, elastic
+/// training's hand-off): required, read as it is, not announced.
+inline ResumeSpec handed_state(const std::filesystem::path& file) {
+  ResumeSpec spec;
+  spec.candidates = {file};
+  spec.announce = false;
+  return spec;
+}
+
 /// How often the job was restarted after a failure: trainloop's launcher (max_restarts) or
 /// torchrun (--max-restarts) say so in the environment; 0 on a first run.
 inline int restart_count() {

@@ -97,8 +97,8 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
     // The step every survivor holds, from their copies (the lost ranks' shards from their keepers').
     const MachineDirectory directory = write_sharded_hand_off(
         group, *copies, m, regrouped->old_rank, regrouped->old_world, *parts.env,
-        ::trainloop::distributed::elastic::detail::generation(), parts.state_bytes ? parts.state_bytes() : 0);
-    next = ::trainloop::detail::ResumeSpec{{directory.path}, true, false, "", /*announce=*/false};
+        ::trainloop::distributed::elastic::detail::generation(), parts.state_bytes_or_zero());
+    next = ::trainloop::detail::handed_state(directory.path);
     next.consume = true;
     next.removes_directory = directory.lead;  // each machine's copy, by its lead
   } else if (!copies && m.committed_step >= 0) {
@@ -114,7 +114,7 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
       // archive took seconds to write and load again: benchmarks/README.md, "elastic_recovery").
       const std::filesystem::path file =
           from_pending ? pending.path() : detail::hand_off_path(*parts.env, generation, detail::kLoopStateBytes);
-      next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
+      next = ::trainloop::detail::handed_state(file);
       next.keeps_model_and_optimizer = !from_pending || pending.keeps_model_and_optimizer();
       if (!from_pending) actions.save_committed_loop_state(file);
       // Until the next commit, a loss puts back that step's buffers from memory (the file has none).
@@ -131,9 +131,9 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
         if (not_linked) std::filesystem::copy_file(pending.path(), path, std::filesystem::copy_options::overwrite_existing);
       };
       const std::filesystem::path file = detail::share_file(
-          group, regrouped->holder_rank, parts.state_bytes ? parts.state_bytes() : 0,
+          group, regrouped->holder_rank, parts.state_bytes_or_zero(),
           [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); }, write_state);
-      next = ::trainloop::detail::ResumeSpec{{file}, true, false, "", /*announce=*/false};
+      next = ::trainloop::detail::handed_state(file);
     }
     pending.keep(next, m.committed_step, *parts.commits);
   } else {
@@ -177,17 +177,17 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
     std::exception_ptr failure;
     const MachineDirectory directory = machine_directory(group, *parts.env, hand_off,
                                                          ::trainloop::detail::concat(::getpid(), "-g", generation, ".dcp"),
-                                                         parts.state_bytes ? parts.state_bytes() : 0, failure);
+                                                         parts.state_bytes_or_zero(), failure);
     file = complete_every_copy(group, directory, failure, "trainloop: the sharded state could not be handed to the replacements");
     removes_it = directory.lead;
   } else if (over_group) {
     if (!file.empty()) std::filesystem::remove(file);  // the one sent replaces it
     file = detail::share_file(
-        group, 0, parts.state_bytes ? parts.state_bytes() : 0,
+        group, 0, parts.state_bytes_or_zero(),
         [&](std::uintmax_t bytes) { return detail::hand_off_path(*parts.env, generation, bytes); },
         [&](const std::filesystem::path& path) { actions.save_committed(path); });
   }
-  ::trainloop::detail::ResumeSpec next{{file}, true, false, "", /*announce=*/false};
+  ::trainloop::detail::ResumeSpec next = ::trainloop::detail::handed_state(file);
   next.consume = true;
   next.removes_directory = removes_it;
   next.keeps_model_and_optimizer = loop_state_only && !over_group;  // over the group: the state sent replaced it
@@ -220,7 +220,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
     all.all_committed = true;
     const MachineDirectory directory = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
                                                               ::trainloop::distributed::elastic::detail::generation(),
-                                                              parts.state_bytes ? parts.state_bytes() : 0);
+                                                              parts.state_bytes_or_zero());
     own = directory.path.string();
     removes_own = directory.lead;
   } else {  // every member committed that step and holds its weights and optimizer state: the loop's state alone
@@ -240,7 +240,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
         continue;
       }
       if (whole.empty()) {
-        whole = detail::hand_off_path(*parts.env, generation, parts.state_bytes ? parts.state_bytes() : 0, "-whole");
+        whole = detail::hand_off_path(*parts.env, generation, parts.state_bytes_or_zero(), "-whole");
         actions.save_committed(whole);
       }
       const std::string link = ::trainloop::detail::concat(whole.string(), ".t", request.ticket);

@@ -32,6 +32,9 @@ struct ElasticFitParts {
   /// options of the group it joins (backend, device, timeout).
   JoinWatch* join_watch = nullptr;
   ProcessGroupOptions group_options;  ///< a replacement's group: backend, device, timeout
+
+  /// state_bytes() where the engine can tell, else 0 (a hand-off's folder is then chosen by name alone).
+  std::uintmax_t state_bytes_or_zero() const { return state_bytes ? state_bytes() : 0; }
 };
 
 }  // namespace trainloop::distributed::elastic

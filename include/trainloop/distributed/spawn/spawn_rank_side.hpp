@@ -113,7 +113,7 @@ History run_spawned_rank_fit(const RankEnv& env, int fit_index, const ::trainloo
         ::trainloop::detail::ResumeSpec from = resume;
         if (from.candidates.empty()) {  // resolve_resume() gives none only where a fresh start is allowed
           ::trainloop::detail::say_fresh_start(from, env.rank == 0);
-          from = ::trainloop::detail::ResumeSpec{{run_dir / "initial.ckpt"}, true, false, "", /*announce=*/false};
+          from = ::trainloop::detail::handed_state(run_dir / "initial.ckpt");
         }
         try {
           actions.train(from);
