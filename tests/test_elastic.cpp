@@ -58,20 +58,22 @@ void expect_same_end(const std::string& name, WorkerRun& elastic, WorkerRun& del
   const torch::Tensor changed = load_params((deliberate.dir / "params.pt").string());
   BOOST_TEST_MESSAGE(name << ": max |elastic - deliberate| = " << (ended - changed).abs().max().item<double>());
   BOOST_TEST(torch::equal(ended, changed), name << ": the parameters differ from the deliberate world-size change");
-  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
+  int epoch = 1;  // every epoch the deliberate run trained (kEpochs, or what a case's TL_TEST_EPOCHS asks)
+  for (; deliberate.result.count("epoch" + std::to_string(epoch) + "_samples") != 0; ++epoch) {
     const std::string key = "epoch" + std::to_string(epoch);
     BOOST_TEST(elastic.result[key + "_samples"] == kSamples, name << " " << key);
     BOOST_TEST(elastic.result[key + "_loss"] == deliberate.result[key + "_loss"], name << " " << key);
     BOOST_TEST(elastic.result[key + "_accuracy"] == deliberate.result[key + "_accuracy"], name << " " << key);
   }
+  BOOST_TEST(epoch > kEpochs, name << ": the deliberate run reported " << epoch - 1 << " epochs");
   BOOST_TEST(elastic.result["val_loss"] == deliberate.result["val_loss"]);
 }
 
 /// Runs ddp_worker with `world` ranks, elastic, one rank killed as `kill` says (rank:step:phase),
 /// then the deliberate reference: `world` ranks writing a checkpoint every step, that step's
 /// checkpoint resumed on `survivors` ranks (0: world-1). Both must end alike, bit for bit. `mode` (a sharding
-/// level) applies to all three runs, `extra` to the elastic one.
-void lost_rank_equals_deliberate_change(const std::string& name, int world, const std::string& kill,
+/// level) applies to all three runs, `extra` to the elastic one. Returns the elastic run's output.
+std::string lost_rank_equals_deliberate_change(const std::string& name, int world, const std::string& kill,
                                         const std::string& extra = "", const std::string& mode = "",
                                         const std::vector<std::string>& expected_in_log = {}, int survivors = 0) {
   if (survivors == 0) survivors = world - 1;
@@ -103,6 +105,7 @@ void lost_rank_equals_deliberate_change(const std::string& name, int world, cons
   expect_same_end(name, elastic, after);
   for (auto* run : {&elastic, &before, &after}) fs::remove_all(run->dir);
   fs::remove_all(dir);
+  return elastic.output;
 }
 
 /// Runs ddp_worker with 3 ranks, elastic, rank 2 killed in its forward of step 3, and its
@@ -184,13 +187,31 @@ BOOST_AUTO_TEST_CASE(three_ranks_lose_one_in_the_validation_after_an_epoch) {
   lost_rank_equals_deliberate_change("evaluation", 3, "2:5:evaluation");
 }
 
+// Comm hooks: the bucket's collective in flight is the hook's (fp16: a cast and an all-reduce on the
+// reducer's communication thread). The regrouped fit makes a fresh hook, as a checkpoint resumed
+// with another world size starts one afresh (comm_hook_state.hpp), so the two still end alike.
+
+BOOST_AUTO_TEST_CASE(three_ranks_with_an_fp16_comm_hook_lose_one_inside_the_hooks_all_reduce) {
+  lost_rank_equals_deliberate_change("fp16_hook", 3, "1:7:backward", "", "TL_TEST_COMM_HOOK=fp16 ");
+}
+
+BOOST_AUTO_TEST_CASE(three_ranks_with_powersgd_compressing_lose_one_and_its_state_starts_afresh_as_on_a_resume) {
+  // PowerSGD compresses from its 11th step (rank 2 here; 4 epochs of 5 steps on 3 ranks): rank 1 dies in
+  // step 13's backward, after two compressed steps whose error feedback the survivors leave behind, as
+  // the deliberate run's 2 ranks leave the 3-rank checkpoint's.
+  lost_rank_equals_deliberate_change("powersgd_hook", 3, "1:13:backward", "", "TL_TEST_COMM_HOOK=powersgd:2 TL_TEST_EPOCHS=4 ");
+}
+
 // Sharded state (docs/elastic.md): the lost rank's shards come from its neighbour's copy, every
 // survivor's own from its copy of the same step; the survivors resume from that step on W-1 ranks.
 // The deliberate runs train elastic too (nobody lost): an elastic group sums sharded gradients with
 // an all-reduce, whose rounding on 3 ranks may differ from Gloo's reduce-scatter's.
 
 BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_in_its_forward_and_end_as_two_would_from_that_step) {
-  lost_rank_equals_deliberate_change("full_forward", 3, "2:3:forward", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+  const std::string output =
+      lost_rank_equals_deliberate_change("full_forward", 3, "2:3:forward", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+  // The survivors' hand-off, kept for two commits, is removed by rank 0, not left to the launcher.
+  BOOST_TEST(output.find("elastic hand-off file") == std::string::npos, output);
   BOOST_TEST(hand_off_files_left() == 0);
 }
 
@@ -319,6 +340,21 @@ BOOST_AUTO_TEST_CASE(a_second_loss_before_the_next_commit_resumes_from_the_same_
   lost_rank_equals_deliberate_change("second_loss", 3, "2:2:checkpoint,1:3:forward", "TL_TEST_EVERY_STEPS=1 ",
                                      "TL_TEST_NORM=1 OMP_NUM_THREADS=1 ",
                                      {"rank 1 (pid", "continuing with 1 rank (regrouped"}, 1);
+  BOOST_TEST(hand_off_files_left() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(a_second_loss_before_the_copies_of_a_new_step_resumes_a_sharded_job_from_the_kept_hand_off) {
+  // Sharding full: rank 2 dies in its forward of step 3; ranks 0 and 1 go on from step 2 (the copies)
+  // with 2 ranks. Rank 1 dies in the 2-rank group's forward of step 3 (`@1`: the group's generation
+  // after one regroup), before any copies of the new group's steps exist: rank 0 resumes from the
+  // step 2 hand-off it kept, alone — not from the fit's start. The end equals 3 ranks that became 1
+  // at step 2 on purpose, bit for bit, and the hand-off is gone from /dev/shm.
+  const std::string output = lost_rank_equals_deliberate_change(
+      "full_second_loss", 3, "2:3:forward,1:3:forward@1", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ",
+      {"rank 1 (pid", "lost at step 3", "continuing with 1 rank (regrouped", "from step 2 again: the hand-off every survivor kept since it"},
+      1);
+  // Rank 0 removed the kept hand-off itself (the launcher says when it has to remove what ranks left).
+  BOOST_TEST(output.find("elastic hand-off file") == std::string::npos, output);
   BOOST_TEST(hand_off_files_left() == 0);
 }
 

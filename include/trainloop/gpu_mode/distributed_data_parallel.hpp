@@ -51,7 +51,9 @@ struct DistributedDataParallel : MultiProcess<DistributedDataParallel> {
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
   /// How gradient buckets travel: empty (the default) all-reduces them in their dtype; otherwise
   /// the factory makes each fit's hook — `distributed::comm_hook_named("fp16")` or `"bf16"`
-  /// (distributed/ddp/compression_hooks.hpp) or a user's own GradientCommHook.
+  /// (distributed/ddp/compression_hooks.hpp) or a user's own GradientCommHook. With elastic
+  /// training a regrouped fit makes a fresh hook: what it carried (PowerSGD's Q and error feedback)
+  /// starts afresh, as in a checkpoint resumed with another world size.
   TORCH_ARG(distributed::CommHookFactory, comm_hook) = {};
   /// ZeRO stage 1 (sharding level "optimizer"): each rank keeps the optimizer state of 1/W of the
   /// flat parameters and steps them (distributed/zero/sharded_state.hpp); gradients are still
@@ -64,8 +66,6 @@ struct DistributedDataParallel : MultiProcess<DistributedDataParallel> {
     validate_processes();
     TRAINLOOP_CHECK(first_bucket_cap_bytes_ > 0 && bucket_cap_bytes_ > 0, "bucket caps are ", first_bucket_cap_bytes_,
                     " and ", bucket_cap_bytes_, " bytes; expected positive sizes");
-    TRAINLOOP_CHECK(!elastic() || !comm_hook_, "elastic training with a comm hook; expected none: a hook's per-rank "
-                    "state (PowerSGD's error feedback) does not survive a regroup in this release (docs/elastic.md)");
   }
 };
 

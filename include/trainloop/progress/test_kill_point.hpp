@@ -19,7 +19,10 @@
 /// replacement once in the grown group, before the state is handed to it: elastic_fit.hpp). Only the
 /// process whose rank matches dies; several
 /// comma-separated plans kill several ranks (`1:3:forward,2:3:forward`), or one rank's place
-/// again (`2:3:forward,2:8:forward`: its replacement, joined after step 3, dies at step 8). With
+/// again (`2:3:forward,2:8:forward`: its replacement, joined after step 3, dies at step 8). A plan
+/// ending in `@<g>` fires only while the job's group is in generation g (elastic training: 0 for the
+/// first group, +1 per regroup or admission): `1:3:forward@1` kills rank 1 in step 3 only once the
+/// survivors of a first loss redo it, not when it first passes there. With
 /// `TRAINLOOP_TEST_KILL_MARK=<file>` it dies only if the file does not exist yet, and writes the
 /// time of the kill into it first (seconds since the Unix epoch): a restarted rank reaching the
 /// same point lives, and a benchmark knows when the death happened.
@@ -43,19 +46,36 @@
 
 namespace trainloop::progress {
 
+/// The generation of the job's process group: 0 for the first, +1 per regroup or admission of
+/// elastic training (distributed/elastic/regroup.hpp keeps it here, where the kill plans read it).
+/// Atomic: kill points on other threads (a checkpoint's writer) read it.
+inline std::atomic<int>& group_generation() {
+  static std::atomic<int> value{0};
+  return value;
+}
+
 /// Where a test may kill a rank (see the file comment).
 enum class KillPoint : std::uint8_t { Forward, Backward, Optimizer, Checkpoint, Evaluation, BackgroundWrite, ShareCopy, Join, HandOff };
 
 namespace detail {
 
+/// One place a plan kills this rank.
+struct KillAt {
+  std::int64_t step = 0;
+  KillPoint point = KillPoint::Forward;
+  int generation = -1;  // the group's generation it waits for; -1: any
+};
+
 struct KillPlan {
-  std::vector<std::pair<std::int64_t, KillPoint>> at;  // this rank's (step, point)s
-  std::string mark;                                    // TRAINLOOP_TEST_KILL_MARK
+  std::vector<KillAt> at;  // this rank's
+  std::string mark;        // TRAINLOOP_TEST_KILL_MARK
   bool names(KillPoint point) const {
-    return std::any_of(at.begin(), at.end(), [point](const auto& one) { return one.second == point; });
+    return std::any_of(at.begin(), at.end(), [point](const KillAt& one) { return one.point == point; });
   }
   bool names(KillPoint point, std::int64_t step) const {
-    return std::find(at.begin(), at.end(), std::pair<std::int64_t, KillPoint>(step, point)) != at.end();
+    return std::any_of(at.begin(), at.end(), [&](const KillAt& one) {
+      return one.step == step && one.point == point && (one.generation < 0 || one.generation == group_generation().load());
+    });
   }
 };
 
@@ -86,8 +106,13 @@ inline KillPlan parse_kill_plan() {
     start = end + 1;
     const auto first = one.find(':'), second = first == std::string::npos ? first : one.find(':', first + 1);
     if (second == std::string::npos || std::atoi(one.substr(0, first).c_str()) != std::atoi(own)) continue;
-    if (const std::optional<KillPoint> point = parse_kill_point(std::string_view(one).substr(second + 1))) {
-      plan.at.emplace_back(std::atoll(one.substr(first + 1, second - first - 1).c_str()), *point);
+    const std::size_t at_generation = one.find('@', second);
+    const std::string_view point_name = std::string_view(one).substr(second + 1, at_generation == std::string::npos
+                                                                                      ? std::string::npos
+                                                                                      : at_generation - second - 1);
+    if (const std::optional<KillPoint> point = parse_kill_point(point_name)) {
+      plan.at.push_back({std::atoll(one.substr(first + 1, second - first - 1).c_str()), *point,
+                         at_generation == std::string::npos ? -1 : std::atoi(one.c_str() + at_generation + 1)});
     }
   }
   if (const char* mark = std::getenv("TRAINLOOP_TEST_KILL_MARK")) plan.mark = mark;

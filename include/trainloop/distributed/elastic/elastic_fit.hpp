@@ -11,9 +11,9 @@
 /// sharded state is rebuilt from the copies (sharded_hand_off.hpp).
 ///
 /// The hand-off passes through a file in memory (/dev/shm where there is one, else the run
-/// directory): the loop resumes from a checkpoint archive. A replicated hand-off stays until the
-/// next step is committed (PendingHandOff): a second loss before that commit resumes from it
-/// again; a sharded one is removed as soon as it is loaded. Nothing is read from the job's
+/// directory): the loop resumes from a checkpoint archive. A hand-off stays while a second loss may
+/// need it (PendingHandOff: replicated, until the next commit; sharded, until every survivor's
+/// copies hold a later step): a second loss before then resumes from it again. Nothing is read from the job's
 /// checkpoints. Before any step of the fit was committed, the survivors start the fit again from
 /// where it started (the caller's state, or the checkpoint it resumed).
 ///
@@ -79,10 +79,12 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
                                                                            const ElasticFitParts& parts, PendingHandOff& pending) {
   const auto began = std::chrono::steady_clock::now();
   ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
-  // Nothing committed since the last hand-off was loaded: the loop's state is still its step's.
-  const bool holds_pending = !copies && pending.step() >= 0 && parts.commits->committed_step() < 0;
+  // Nothing committed since the last hand-off was loaded (sharded state: no copies taken since), so
+  // the state this rank holds is that hand-off's step: it is kept (PendingHandOff) for this.
+  const bool holds_pending = pending.step() >= 0 && (copies ? pending.sharded() && copies->newest_step() < 0
+                                                           : !pending.sharded() && parts.commits->committed_step() < 0);
   // Sharded state: the newest step whose copies this rank holds whole; otherwise the newest commit.
-  const std::int64_t held = copies ? copies->newest_step() : holds_pending ? pending.step() : parts.commits->committed_step();
+  const std::int64_t held = holds_pending ? pending.step() : copies ? copies->newest_step() : parts.commits->committed_step();
   std::optional<Regrouped> regrouped = regroup_job(*parts.env, held, parts.elastic_wait);
   if (!regrouped) return std::nullopt;
   ProcessGroup& group = ::trainloop::distributed::detail::session_group().group;
@@ -93,16 +95,27 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   // holder's buffers are the committed ones again before it writes them.
   parts.put_back_committed_state();
   const std::int64_t resumed_step = copies ? m.oldest_step : m.committed_step;
-  if (copies && m.oldest_step >= 0) {
+  // A kept sharded hand-off's remover may be the rank just lost: each machine's lowest survivor
+  // that holds it removes it now (a collective of every survivor of sharded state).
+  if (copies) pending.held_for_machine(lowest_on_machine_knowing(group, pending.sharded() ? pending.path() : ""));
+  // Sharded state whose oldest step is the kept hand-off's: a survivor took no copies since it (a
+  // second loss in the first step after a recovery or an admission), and every survivor still holds
+  // that hand-off (none committed the second step after it: PendingHandOff). They read it again.
+  const bool again = copies && m.oldest_step >= 0 && pending.sharded() && m.oldest_step == pending.step();
+  if (again) {
+    next = ::trainloop::detail::handed_state(pending.path());
+    next.removes_directory = pending.removes();
+    pending.keep(next, m.oldest_step, *parts.commits);
+  } else if (copies && m.oldest_step >= 0) {
     // The step every survivor holds, from their copies (the lost ranks' shards from their keepers').
     const MachineDirectory directory = write_sharded_hand_off(
         group, *copies, m, regrouped->old_rank, regrouped->old_world, *parts.env,
-        ::trainloop::distributed::elastic::detail::generation(), parts.state_bytes_or_zero());
+        ::trainloop::distributed::elastic::detail::generation().load(), parts.state_bytes_or_zero());
     next = ::trainloop::detail::handed_state(directory.path);
-    next.consume = true;
     next.removes_directory = directory.lead;  // each machine's copy, by its lead
+    pending.keep(next, m.oldest_step, *parts.commits);  // until every survivor's copies hold a later step
   } else if (!copies && m.committed_step >= 0) {
-    const int generation = ::trainloop::distributed::elastic::detail::generation();
+    const int generation = ::trainloop::distributed::elastic::detail::generation().load();
     // That step is the kept hand-off's (a second loss before the next commit): its file is the state.
     const bool from_pending = holds_pending && m.committed_step == pending.step();
     // (TRAINLOOP_TEST_ELASTIC_SHARE: tests take the path of survivors a step apart, which timing decides.)
@@ -139,8 +152,10 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   } else {
     pending.drop();  // the fit starts again from its start
   }
-  // The step in flight: after the newest commit (sharded state: this rank's; its copies may be older).
-  const std::int64_t in_flight = (copies ? parts.commits->committed_step() : m.committed_step) + 1;
+  // The step in flight: after the newest commit (sharded state: this rank's, its copies may be older;
+  // none yet in this fit: the step of the hand-off it resumed from).
+  const std::int64_t own_commit = parts.commits->committed_step();
+  const std::int64_t in_flight = (copies ? (own_commit >= 0 ? own_commit : held) : m.committed_step) + 1;
   if (group.rank() == 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::ostringstream line;
@@ -149,6 +164,8 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
            << lost.cause << "; continuing with " << group.world_size() << " rank" << (group.world_size() == 1 ? "" : "s")
            << " (regrouped in " << std::fixed << std::setprecision(2) << seconds * 1000.0 << " ms, "
            << (resumed_step < 0 ? std::string("from the fit's start: no step was committed")
+               : again         ? ::trainloop::detail::concat("from step ", resumed_step,
+                                                             " again: the hand-off every survivor kept since it")
                : copies        ? ::trainloop::detail::concat("from step ", resumed_step, " held by rank ",
                                                              (lost.rank + regrouped->old_world - 1) % regrouped->old_world,
                                                              "'s copy of its shards and the survivors' own")
@@ -170,7 +187,7 @@ inline ::trainloop::detail::ResumeSpec admission_hand_off(const ::trainloop::det
                                                           bool over_group, const std::string& hand_off, bool removes_it,
                                                           bool sharded, bool loop_state_only, const ElasticFitParts& parts) {
   std::filesystem::path file = hand_off;
-  const int generation = ::trainloop::distributed::elastic::detail::generation();
+  const int generation = ::trainloop::distributed::elastic::detail::generation().load();
   if (over_group) sharded = broadcast_text(group, sharded ? "1" : "0", 0) == "1";
   if (over_group && sharded) {
     // The members' copies are whole on their machines; a machine without one gets one.
@@ -208,7 +225,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
   const auto began = std::chrono::steady_clock::now();
   ShareCopies* copies = parts.share_copies ? parts.share_copies() : nullptr;
   const std::int64_t step = copies ? copies->newest_step() : parts.commits->committed_step();
-  const int generation = ::trainloop::distributed::elastic::detail::generation();
+  const int generation = ::trainloop::distributed::elastic::detail::generation().load();
   parts.put_back_committed_state();
   std::string own;  // what this member resumes from
   bool removes_own = false;  // sharded: this member removes its machine's copy once every rank read it
@@ -219,7 +236,7 @@ inline ::trainloop::detail::ResumeSpec admit_replacements(const ::trainloop::det
     all.committed_step = all.oldest_step = step;
     all.all_committed = true;
     const MachineDirectory directory = write_sharded_hand_off(old, *copies, all, old.rank(), old.world_size(), *parts.env,
-                                                              ::trainloop::distributed::elastic::detail::generation(),
+                                                              ::trainloop::distributed::elastic::detail::generation().load(),
                                                               parts.state_bytes_or_zero());
     own = directory.path.string();
     removes_own = directory.lead;

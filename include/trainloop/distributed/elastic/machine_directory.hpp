@@ -67,6 +67,22 @@ inline std::vector<std::string> file_names(const std::filesystem::path& director
 
 }  // namespace detail
 
+/// Whether this rank is the lowest rank of its machine among those that know `known` (false when
+/// `known` is empty): who removes a directory every rank there knows once its remover may be gone.
+/// A collective of every rank of `group`.
+inline bool lowest_on_machine_knowing(ProcessGroup& group, const std::filesystem::path& known) {
+  const std::string own_tag = ::trainloop::detail::pid_domain_tag();
+  const std::vector<std::string> said = all_texts(group, own_tag + "\n" + known.string());
+  for (int rank = 0; rank < group.world_size(); ++rank) {
+    const std::string& text = said[static_cast<size_t>(rank)];
+    const std::size_t newline = text.find('\n');
+    if (text.substr(0, newline) == own_tag && newline != std::string::npos && newline + 1 < text.size()) {
+      return rank == group.rank();
+    }
+  }
+  return false;
+}
+
 /// Every rank's copy of a directory on its machine (see the file comment): the one a rank of its
 /// machine knows (`known`, empty when this rank knows none), else a new empty
 /// "<in_memory_path(name)>.partial" made by its machine's lead (`bytes`: about what it will hold).

@@ -20,8 +20,10 @@
 #include <trainloop/distributed/launch/failure_report.hpp>
 #include <trainloop/distributed/watch/watchdog_start.hpp>
 #include <trainloop/error.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -47,11 +49,9 @@ inline std::vector<ProcessGroup>& parked_groups() {
   return *parked;
 }
 
-/// The generation of the job's group: 0 for the first, +1 per regroup.
-inline int& generation() {
-  static int value = 0;
-  return value;
-}
+/// The generation of the job's group: 0 for the first, +1 per regroup (kept with the progress, where
+/// the test kill plans read it: progress/test_kill_point.hpp).
+inline std::atomic<int>& generation() { return progress::group_generation(); }
 
 /// Waits of the job's group give up once a survivor asked for it in the group's generation.
 inline void install_probe_for(const ProcessGroup& group, int generation_number) {
@@ -82,14 +82,14 @@ inline void next_generation_group(::trainloop::distributed::detail::SessionGroup
   options.rank = rank;
   options.world_size = world;
   options.rendezvous_timeout = rendezvous_timeout;
-  options.store_prefix = generation_group_prefix(generation());
+  options.store_prefix = generation_group_prefix(generation().load());
   options.is_store_server = false;  // the store lives on in old rank 0's parked group
   parked_groups().push_back(old);
   session.group = old.regroup(options);
   session.group.log_collectives();
   session.options = options;
-  publish_identity(*old.job_store(), GenerationKeys(generation()), rank);
-  install_probe_for(session.group, generation());
+  publish_identity(*old.job_store(), GenerationKeys(generation().load()), rank);
+  install_probe_for(session.group, generation().load());
   restart_stall_watchdog(options, env);
 }
 
@@ -100,8 +100,8 @@ inline void next_generation_group(::trainloop::distributed::detail::SessionGroup
 inline void make_job_group_elastic(ProcessGroup& group) {
   static std::once_flag once;
   std::call_once(once, [&] {
-    publish_identity(*group.job_store(), GenerationKeys(detail::generation()), group.rank());
-    detail::install_probe_for(group, detail::generation());
+    publish_identity(*group.job_store(), GenerationKeys(detail::generation().load()), group.rank());
+    detail::install_probe_for(group, detail::generation().load());
   });
 }
 
@@ -116,7 +116,7 @@ inline std::optional<Regrouped> regroup_job(const RankEnv& env, std::int64_t com
   auto& session = ::trainloop::distributed::detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
   ProcessGroup old = session.group;
-  const GenerationKeys keys(detail::generation());
+  const GenerationKeys keys(detail::generation().load());
   ::c10d::Store& store = *old.job_store();
   Regrouped result;
   result.old_rank = old.rank();

@@ -58,7 +58,7 @@ Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::
   ::c10d::Store& store = *old.job_store();
   Grown grown;
   grown.old_world = old.world_size();
-  const int generation = detail::generation();
+  const int generation = detail::generation().load();
   if (old.rank() == 0) {
     TRAINLOOP_CHECK(watch != nullptr, "rank 0 admits replacements without its queue; expected the engine's JoinWatch");
     grown.decision.joined = watch->take(store, waiting);
@@ -76,7 +76,7 @@ Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::
     failure = error.what();
     failure = failure.substr(0, failure.find('\n'));
   }
-  const int grown_generation = detail::generation();
+  const int grown_generation = detail::generation().load();
   grown.not_formed = agree_on_growth(store, grown_generation, old.rank(), grown.old_world, failure, timeout);
   if (grown.not_formed.empty()) return grown;
   if (failure.empty()) detail::parked_groups().push_back(session.group);  // formed here, not everywhere
@@ -110,10 +110,10 @@ inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessG
   const std::int64_t ticket = ask_to_join(*store, env.rank);
   std::optional<Admission> admission = wait_for_admission(*store, ticket);
   if (!admission) return std::nullopt;
-  progress::test_kill_point(progress::KillPoint::Join, admission->step + 1);
   auto& session = ::trainloop::distributed::detail::session_group();
   std::lock_guard<std::mutex> lock(session.mutex);
   detail::generation() = admission->generation;
+  progress::test_kill_point(progress::KillPoint::Join, admission->step + 1);  // (after: a plan may name the generation)
   options.rank = admission->rank;
   options.world_size = admission->world_size;
   options.store_prefix = detail::generation_group_prefix(admission->generation);

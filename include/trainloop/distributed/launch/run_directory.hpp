@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <string>
 #include <system_error>
 #include <unistd.h>
@@ -80,11 +81,19 @@ inline int remove_stale_run_directories(const std::filesystem::path& parent = te
 /// Removes the hand-off files and directories of elastic training (distributed/elastic/elastic_fit.hpp,
 /// share_copies.hpp) that the ranks of the launcher `launcher_pid` left in /dev/shm: a rank killed
 /// between writing its file and loading it leaves one. They are named after the launcher's pid.
+/// Says how many it removed (on stderr; nothing when none): a rank that ended normally leaves none.
 inline void remove_elastic_hand_off_files(long launcher_pid) noexcept {
   std::error_code ignored;
   const std::string prefix = "trainloop-elastic-" + std::to_string(launcher_pid) + "-";
+  int removed = 0;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ignored)) {
-    if (entry.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove_all(entry.path(), ignored);
+    if (entry.path().filename().string().rfind(prefix, 0) != 0) continue;
+    std::filesystem::remove_all(entry.path(), ignored);
+    ++removed;
+  }
+  if (removed > 0) {
+    std::cerr << "trainloop: removed " << removed << " elastic hand-off file" << (removed == 1 ? "" : "s")
+              << " the ranks left in /dev/shm (a rank killed between writing and loading one leaves it)\n";
   }
 }
 
