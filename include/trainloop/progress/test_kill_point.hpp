@@ -16,7 +16,7 @@
 /// state: inside the exchange of the step's copies with the neighbours, at the start of that step:
 /// distributed/elastic/share_copies.hpp), `join` (a replacement admitted to join at that step,
 /// before it joins the grown group: distributed/elastic/replacement_join.hpp), `hand-off` (the same
-/// replacement once in the grown group, before the state is handed to it: elastic_fit.hpp). Only the
+/// replacement once in the grown group, before the state is handed to it: admit_into_fit.hpp). Only the
 /// process whose rank matches dies; several
 /// comma-separated plans kill several ranks (`1:3:forward,2:3:forward`), or one rank's place
 /// again (`2:3:forward,2:8:forward`: its replacement, joined after step 3, dies at step 8). A plan
