@@ -21,6 +21,7 @@
 #include <iostream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <regex>
 #include <string>
 #include <vector>
@@ -408,20 +409,41 @@ struct TwoMachineRun {
   int left[2] = {-1, -1};                       ///< elastic files left in each machine's /dev/shm
 };
 
+/// A spare machine 1 (run_two_machines): the same command again on machine 1 with `settings`,
+/// after machine 1's first command ended (it was lost whole), or `beside` it once the shell
+/// condition `waits_for` holds (a standby while machine 1's ranks are alive).
+struct SpareMachine {
+  std::string settings;
+  bool beside = false;
+  std::string waits_for;
+};
+
 /// Runs ddp_worker's "ckpt" scenario as 2 machines of `per_node` ranks each (both nodes' ranks
-/// numbered node * per_node + local rank), with `settings`; its checkpoints in `dir`/ckpt.
+/// numbered node * per_node + local rank), with `settings` (and `node1_settings` on machine 1); its
+/// checkpoints in `dir`/ckpt. With `spare`, machine 1 runs the same command again (SpareMachine),
+/// with the spare's settings instead of `node1_settings` (its log after the first's in the output;
+/// machine 1's exit status is the spare's).
 TwoMachineRun run_two_machines(trainloop_test::TwoNodeNetwork& network, const fs::path& dir, int per_node,
-                               const std::string& settings) {
+                               const std::string& settings, const std::string& node1_settings = "",
+                               const std::optional<SpareMachine>& spare = std::nullopt) {
   std::string nodes[2];
   for (int node = 0; node < 2; ++node) {
     const fs::path out = dir / ("node" + std::to_string(node));
     fs::create_directories(out / "tmp");
-    nodes[node] = network.machine(node,
-                                  "env TMPDIR=" + (out / "tmp").string() + " " + network.node_env(node) + " " + settings +
-                                      " TL_TEST_CKPT_DIR=" + (dir / "ckpt").string() + " " + test_program("ddp_worker") +
-                                      " ckpt " + std::to_string(per_node) + " " + out.string() + " 29731 > " +
-                                      (dir / ("node" + std::to_string(node) + ".log")).string() + " 2>&1",
-                                  dir / ("left" + std::to_string(node)));
+    const std::string log = (dir / ("node" + std::to_string(node) + ".log")).string();
+    auto command = [&](const std::string& own_settings, const std::string& to) {
+      return "env TMPDIR=" + (out / "tmp").string() + " " + network.node_env(node) + " " + settings + " " + own_settings +
+             " TL_TEST_CKPT_DIR=" + (dir / "ckpt").string() + " " + test_program("ddp_worker") + " ckpt " +
+             std::to_string(per_node) + " " + out.string() + " 29731 > " + to + " 2>&1";
+    };
+    std::string commands = command(node == 1 ? node1_settings : "", log);
+    if (node == 1 && spare) {
+      const std::string started_spare = (spare->waits_for.empty() ? "" : "until " + spare->waits_for + "; do sleep 0.05; done; ") +
+                                        command(spare->settings, log + ".spare");
+      commands = spare->beside ? "(" + commands + ") & (" + started_spare + "); s=$?; wait; (exit $s)"
+                               : "(" + commands + "); " + started_spare;
+    }
+    nodes[node] = network.machine(node, commands, dir / ("left" + std::to_string(node)));
   }
   auto [status, shell_output] =
       trainloop_test::shell("(" + nodes[0] + " & " + nodes[1] + "; s1=$?; wait %1; s0=$?; echo \"exit statuses $s0 $s1\")");
@@ -432,8 +454,10 @@ TwoMachineRun run_two_machines(trainloop_test::TwoNodeNetwork& network, const fs
   run.node_exit_code[1] = ended ? std::stoi(statuses[2]) : -1;
   run.exit_code = ended ? run.node_exit_code[0] + run.node_exit_code[1] : -1;
   for (int node = 0; node < 2; ++node) {
-    std::ifstream log(dir / ("node" + std::to_string(node) + ".log"));
-    run.output[node].assign(std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>());
+    for (const std::string suffix : {".log", ".log.spare"}) {
+      std::ifstream log(dir / ("node" + std::to_string(node) + suffix));
+      run.output[node].append(std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>());
+    }
     run.params[node] = dir / ("node" + std::to_string(node)) / "params.pt";
     std::ifstream left(dir / ("left" + std::to_string(node)));
     left >> run.left[node];
@@ -508,6 +532,29 @@ BOOST_AUTO_TEST_CASE(a_sharded_job_on_two_machines_loses_a_rank_and_ends_as_four
 
 namespace {
 
+/// `elastic` ended on both machines as 2 ranks that changed their world size on purpose, on one
+/// machine, to 1 after step `shrunk` and back to 2 after step `grown` (`mode`'s settings; its runs
+/// in `dir`; steps of the first epoch).
+void expect_end_of_two_ranks_that_became_one_and_two_again(const std::string& name, const TwoMachineRun& elastic,
+                                                           const fs::path& dir, const std::string& mode, int shrunk = 2,
+                                                           int grown = 5) {
+  auto run = [&](const std::string& part, int world, const std::string& settings) {
+    WorkerRun result = run_worker("ckpt", world, 0, common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / part).string() + settings,
+                                  "_two_machines_join_" + part + "_" + name);
+    BOOST_REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+    return result;
+  };
+  WorkerRun before = run("before", 2, " TL_TEST_EVERY_STEPS=1");
+  const fs::path at_shrink = checkpoint_after(dir / "before", shrunk, 8);  // 60 samples, 8 a step on 2 ranks
+  WorkerRun middle = run("middle", 1, " TL_TEST_EVERY_STEPS=1 TL_TEST_RESUME=" + at_shrink.string());
+  const fs::path at_growth = checkpoint_after(dir / "middle", grown, 15);  // 4 a step on 1
+  BOOST_REQUIRE_MESSAGE(fs::exists(at_growth), at_growth.string());
+  WorkerRun after = run("after", 2, " TL_TEST_RESUME=" + at_growth.string());
+  expect_same_end_on_both_machines(name, elastic, after);
+  BOOST_TEST(leftover_workers() == 0);
+  for (auto* worker : {&before, &middle, &after}) fs::remove_all(worker->dir);
+}
+
 /// 2 machines of one rank each; rank 1 (machine 1) dies in its forward of step 3, rank 0 goes on
 /// alone from step 2, and machine 1's launcher starts a replacement there, admitted at the commit
 /// of step 5 — on a machine where no member runs, so the state goes to it over the grown group
@@ -529,21 +576,7 @@ void replacement_on_another_machine(const std::string& name, const std::string& 
   BOOST_TEST(elastic.output[1].find("started a replacement for rank 1") != std::string::npos, elastic.output[1]);
   BOOST_TEST(elastic.output[0].find("joined at step 6 as rank 1; continuing with 2 ranks") != std::string::npos, elastic.output[0]);
 
-  auto run = [&](const std::string& part, int world, const std::string& settings) {
-    WorkerRun result = run_worker("ckpt", world, 0, common_settings() + mode + "TL_TEST_CKPT_DIR=" + (dir / part).string() + settings,
-                                  "_two_machines_join_" + part + "_" + name);
-    BOOST_REQUIRE_MESSAGE(result.exit_code == 0, result.output);
-    return result;
-  };
-  WorkerRun before = run("before", 2, " TL_TEST_EVERY_STEPS=1");
-  const fs::path step2 = checkpoint_after(dir / "before", 2, 8);  // 60 samples, 8 a step on 2 ranks
-  WorkerRun middle = run("middle", 1, " TL_TEST_EVERY_STEPS=1 TL_TEST_RESUME=" + step2.string());
-  const fs::path step5 = checkpoint_after(dir / "middle", 5, 15);  // 4 a step on 1
-  BOOST_REQUIRE_MESSAGE(fs::exists(step5), step5.string());
-  WorkerRun after = run("after", 2, " TL_TEST_RESUME=" + step5.string());
-  expect_same_end_on_both_machines(name, elastic, after);
-  BOOST_TEST(leftover_workers() == 0);
-  for (auto* worker : {&before, &middle, &after}) fs::remove_all(worker->dir);
+  expect_end_of_two_ranks_that_became_one_and_two_again(name, elastic, dir, mode);
   fs::remove_all(dir);
 }
 
@@ -556,6 +589,58 @@ BOOST_AUTO_TEST_CASE(a_replacement_on_another_machine_gets_the_replicated_state_
 BOOST_AUTO_TEST_CASE(a_replacement_on_another_machine_with_one_rank_left_gets_its_state_over_the_group) {
   // At sharding full too: one rank left holds the whole state (no copies at world size 1).
   replacement_on_another_machine("full", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
+}
+
+BOOST_AUTO_TEST_CASE(a_spare_machine_started_in_place_of_one_lost_whole_joins_the_running_fit) {
+  // 2 machines of one rank: machine 1 is lost whole in rank 1's forward of step 3 (its launcher
+  // killed with it: nothing is left there to start a replacement), rank 0 goes on alone from step
+  // 2. Then the same command starts again on machine 1 (a spare in its place): its launcher finds
+  // the job training, and its rank joins as a replacement, admitted at the commit of step 5 (the
+  // state over the grown group). Both end as 2 ranks that became 1 at step 2 and 2 again at step 5.
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const fs::path dir = fresh_dir("elastic_two_machines_spare");
+  const TwoMachineRun elastic = run_two_machines(
+      network, dir / "elastic", 1,
+      common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=1 TL_TEST_ELASTIC_WAIT_MS=3000 TRAINLOOP_TEST_AWAIT_REPLACEMENT=5",
+      "TRAINLOOP_TEST_KILL_AT=1:3:forward TRAINLOOP_TEST_KILL_LAUNCHER=1", SpareMachine{});
+  BOOST_TEST_MESSAGE("machine 0: " << elastic.output[0] << "\nmachine 1: " << elastic.output[1]);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output[0] + elastic.output[1]);
+  BOOST_TEST(resumed_from_step(elastic.output[0]) == 2);
+  BOOST_TEST(elastic.output[1].find("started a replacement") == std::string::npos, elastic.output[1]);
+  BOOST_TEST(elastic.output[1].find("is training already (elastic): this machine stands in for a lost one; its rank 1 "
+                                    "starts as a replacement") != std::string::npos,
+             elastic.output[1]);
+  BOOST_TEST(elastic.output[0].find("joined at step 6 as rank 1; continuing with 2 ranks") != std::string::npos, elastic.output[0]);
+  expect_end_of_two_ranks_that_became_one_and_two_again("spare_machine", elastic, dir, "");
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_standby_machine_waits_while_every_rank_is_alive_and_takes_the_place_of_the_next_lost) {
+  // 2 machines of one rank, and a spare started on machine 1 once the fit trains (its first
+  // checkpoint written): it asks to join while both ranks are alive, and rank 0 (held at the
+  // commit of step 3 until it asks) admits none — the job is at the size it was launched with.
+  // Rank 1 dies in its forward of step 5 (its launcher starts no replacement), rank 0 goes on alone
+  // from step 4, and admits the standby at the commit of step 7. The end equals 2 ranks that became
+  // 1 at step 4 and 2 again at step 7.
+  trainloop_test::TwoNodeNetwork network;
+  if (!two_machines_or_skip(network)) return;
+  const fs::path dir = fresh_dir("elastic_two_machines_standby");
+  const TwoMachineRun elastic = run_two_machines(
+      network, dir / "elastic", 1,
+      common_settings() + "TL_TEST_ELASTIC=1 TL_TEST_REPLACEMENTS=1 TL_TEST_ELASTIC_WAIT_MS=3000 TL_TEST_EVERY_STEPS=1 "
+                          "TRAINLOOP_TEST_AWAIT_REPLACEMENT=3,7",
+      "TL_TEST_REPLACEMENTS=0 TRAINLOOP_TEST_KILL_AT=1:5:forward",
+      SpareMachine{"", true, "ls " + (dir / "elastic" / "ckpt").string() + " 2>/dev/null | grep -q step=000001"});
+  BOOST_TEST_MESSAGE("machine 0: " << elastic.output[0] << "\nmachine 1: " << elastic.output[1]);
+  BOOST_REQUIRE_MESSAGE(elastic.exit_code == 0, elastic.output[0] + elastic.output[1]);
+  BOOST_TEST(elastic.output[1].find("this machine stands in for a lost one; its rank 1 starts as a replacement") != std::string::npos,
+             elastic.output[1]);
+  BOOST_TEST(elastic.output[0].find("continuing with 3 ranks") == std::string::npos, elastic.output[0]);
+  BOOST_TEST(resumed_from_step(elastic.output[0]) == 4);
+  BOOST_TEST(elastic.output[0].find("joined at step 8 as rank 1; continuing with 2 ranks") != std::string::npos, elastic.output[0]);
+  expect_end_of_two_ranks_that_became_one_and_two_again("standby_machine", elastic, dir, "", 4, 7);
+  fs::remove_all(dir);
 }
 
 namespace {

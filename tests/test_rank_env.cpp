@@ -3,6 +3,7 @@
 
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/free_port.hpp>
+#include <trainloop/progress/test_kill_point.hpp>
 
 #include <arpa/inet.h>
 #include <cstdlib>
@@ -362,6 +363,36 @@ BOOST_AUTO_TEST_CASE(bad_port_or_host_is_rejected) {
   BOOST_CHECK_THROW(distributed::check_port_available("127.0.0.1", 0), trainloop::Error);
   BOOST_CHECK_THROW(distributed::check_port_available("127.0.0.1", 65536), trainloop::Error);
   BOOST_CHECK_THROW(distributed::find_free_port("no-such-host.invalid"), trainloop::Error);
+}
+
+BOOST_AUTO_TEST_CASE(a_kill_plan_is_read_whole_and_a_bad_one_is_named) {
+  // TRAINLOOP_TEST_KILL_AT (tests' kill hook): a typo must fail the test naming it, not run without the kill.
+  using trainloop::progress::KillPoint;
+  using trainloop::progress::detail::parse_one_kill_plan;
+  const auto [rank, at] = parse_one_kill_plan("12:34:share-copy@2");
+  BOOST_TEST(rank == 12);
+  BOOST_TEST(at.step == 34);
+  BOOST_TEST((at.point == KillPoint::ShareCopy));
+  BOOST_TEST(at.generation == 2);
+  BOOST_TEST(parse_one_kill_plan("1:3:hand-off").second.generation == -1);
+  const std::pair<const char*, const char*> bad[] = {
+      {"1:3", "has fewer than two ':'"},
+      {"1:3:forwards", "names the point 'forwards'; expected forward, backward"},
+      {"1:x:forward", "step='x' is not an integer"},
+      {"1:0:forward", "step=0 is out of range"},
+      {"one:3:forward", "rank='one' is not an integer"},
+      {"1:3:forward@", "generation='' is not an integer"},
+      {"1:3:forward@x", "generation='x' is not an integer"}};
+  for (const auto& [plan, expected] : bad) {
+    std::string message;
+    try {
+      parse_one_kill_plan(plan);
+    } catch (const trainloop::Error& error) {
+      message = error.what();
+    }
+    BOOST_TEST(contains(message, std::string("TRAINLOOP_TEST_KILL_AT's plan '") + plan + "'"), plan << ": " << message);
+    BOOST_TEST(contains(message, expected), plan << ": " << message);
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()

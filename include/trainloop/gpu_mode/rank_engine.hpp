@@ -27,6 +27,7 @@
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/elastic/admission.hpp>
 #include <trainloop/distributed/elastic/elastic_fit.hpp>
+#include <trainloop/distributed/elastic/replacement_join.hpp>
 #include <trainloop/distributed/elastic/share_copies.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/job/replacement.hpp>
@@ -218,7 +219,14 @@ class RankEngine {
       distributed::SpawnFitOptions spawn;
       spawn.fit_index = fit_index;
       spawn.max_restarts = mode_.max_restarts();
-      return distributed::launch_spawned_fit(actions, mode_.launch_options(), spawn);
+      distributed::LaunchOptions launch = mode_.launch_options();
+      // Another machine's launcher finds the job training this call already: this machine stands in
+      // for a lost one, its ranks join as replacements (distributed/elastic/replacement_join.hpp).
+      if (mode_.elastic() && launch.node_rank() > 0) {
+        launch.joins_running_fit(
+            distributed::elastic::running_fit_admits(launch.master_addr(), launch.master_port(), fit_index));
+      }
+      return distributed::launch_spawned_fit(actions, launch, spawn);
     }
     FitActions rank_actions = actions;
     if (mode_.elastic()) {  // the fit survives a lost rank (distributed/elastic/elastic_fit.hpp)
@@ -272,9 +280,13 @@ class RankEngine {
   void commit_step() {
     if (!commits_steps()) return;
     // Rank 0 says how many replacements wait (a store lookup at most every 100 ms): every rank learns it here.
-    const int64_t waiting = rank() == 0 && admits_replacements()
-                                ? join_watch_.waiting(*group_->job_store(), progress::progress_beacon().global_step() + 1)
-                                : 0;
+    // At most as many as bring the job back to the size it was launched with: a spare machine started
+    // while every rank is alive waits, and takes the place of the next rank lost.
+    const int64_t waiting =
+        rank() == 0 && admits_replacements()
+            ? std::min<int64_t>(join_watch_.waiting(*group_->job_store(), progress::progress_beacon().global_step() + 1),
+                                std::max(0, env_->world_size - group_->world_size()))
+            : 0;
     commits_.commit(*group_, buffers_, mode_.broadcast_buffers(), waiting);
   }
   /// What join_fit() listed, let go at the fit's end; the copies of sharded state too, unless the

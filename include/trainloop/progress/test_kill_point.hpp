@@ -25,8 +25,13 @@
 /// survivors of a first loss redo it, not when it first passes there. With
 /// `TRAINLOOP_TEST_KILL_MARK=<file>` it dies only if the file does not exist yet, and writes the
 /// time of the kill into it first (seconds since the Unix epoch): a restarted rank reaching the
-/// same point lives, and a benchmark knows when the death happened.
+/// same point lives, and a benchmark knows when the death happened. With
+/// `TRAINLOOP_TEST_KILL_LAUNCHER=1` it kills its parent first (the machine's launcher, SIGKILL): the
+/// rank's whole machine is gone, nothing is left there to start a replacement.
 
+#include <trainloop/detail/environment.hpp>
+#include <trainloop/detail/format.hpp>
+#include <trainloop/error.hpp>
 #include <trainloop/progress/progress_beacon.hpp>
 
 #include <algorithm>
@@ -37,6 +42,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -69,6 +75,7 @@ struct KillAt {
 struct KillPlan {
   std::vector<KillAt> at;  // this rank's
   std::string mark;        // TRAINLOOP_TEST_KILL_MARK
+  bool with_launcher = false;  // TRAINLOOP_TEST_KILL_LAUNCHER: the parent too
   bool names(KillPoint point) const {
     return std::any_of(at.begin(), at.end(), [point](const KillAt& one) { return one.point == point; });
   }
@@ -92,30 +99,51 @@ inline std::optional<KillPoint> parse_kill_point(std::string_view point) {
   return std::nullopt;
 }
 
+/// One plan `<rank>:<step>:<point>[@<generation>]`, checked whole: a test whose plan has a typo
+/// must fail naming it, not run without the kill it meant.
+inline std::pair<long, KillAt> parse_one_kill_plan(const std::string& one) {
+  const std::string what = ::trainloop::detail::concat("TRAINLOOP_TEST_KILL_AT's plan '", one, "'");
+  const auto first = one.find(':'), second = first == std::string::npos ? first : one.find(':', first + 1);
+  TRAINLOOP_CHECK(second != std::string::npos, what,
+                  " has fewer than two ':'; expected <rank>:<step>:<point>[@<generation>]");
+  const std::size_t at_generation = one.find('@', second);
+  const std::string_view text(one);
+  const std::string_view point_name =
+      text.substr(second + 1, at_generation == std::string::npos ? std::string::npos : at_generation - second - 1);
+  const std::optional<KillPoint> point = parse_kill_point(point_name);
+  TRAINLOOP_CHECK(point.has_value(), what, " names the point '", point_name,
+                  "'; expected forward, backward, optimizer, checkpoint, evaluation, background-write, share-copy, join or "
+                  "hand-off");
+  KillAt at;
+  at.step = ::trainloop::detail::parse_integer(text.substr(first + 1, second - first - 1), what + "'s step", 1,
+                                               std::numeric_limits<long>::max());
+  at.point = *point;
+  if (at_generation != std::string::npos) {
+    at.generation = static_cast<int>(::trainloop::detail::parse_integer(text.substr(at_generation + 1),
+                                                                        what + "'s generation", 0, 1 << 20));
+  }
+  return {::trainloop::detail::parse_integer(text.substr(0, first), what + "'s rank", 0, 1 << 20), at};
+}
+
 inline KillPlan parse_kill_plan() {
   KillPlan plan;
   const char* text = std::getenv("TRAINLOOP_TEST_KILL_AT");
   const char* own = std::getenv("TRAINLOOP_RANK");
   if (own == nullptr) own = std::getenv("RANK");
   if (text == nullptr || own == nullptr) return plan;
+  const long own_rank = ::trainloop::detail::parse_integer(own, "TRAINLOOP_RANK", 0, 1 << 20);
   // Every comma-separated plan that names this rank (a replacement of the rank reaches the later ones).
   const std::string spec(text);
   for (std::size_t start = 0; start <= spec.size();) {
     const std::size_t end = std::min(spec.find(',', start), spec.size());
     const std::string one = spec.substr(start, end - start);
     start = end + 1;
-    const auto first = one.find(':'), second = first == std::string::npos ? first : one.find(':', first + 1);
-    if (second == std::string::npos || std::atoi(one.substr(0, first).c_str()) != std::atoi(own)) continue;
-    const std::size_t at_generation = one.find('@', second);
-    const std::string_view point_name = std::string_view(one).substr(second + 1, at_generation == std::string::npos
-                                                                                      ? std::string::npos
-                                                                                      : at_generation - second - 1);
-    if (const std::optional<KillPoint> point = parse_kill_point(point_name)) {
-      plan.at.push_back({std::atoll(one.substr(first + 1, second - first - 1).c_str()), *point,
-                         at_generation == std::string::npos ? -1 : std::atoi(one.c_str() + at_generation + 1)});
-    }
+    if (one.empty()) continue;
+    const auto [rank, at] = parse_one_kill_plan(one);
+    if (rank == own_rank) plan.at.push_back(at);
   }
   if (const char* mark = std::getenv("TRAINLOOP_TEST_KILL_MARK")) plan.mark = mark;
+  if (const char* launcher = std::getenv("TRAINLOOP_TEST_KILL_LAUNCHER")) plan.with_launcher = std::string_view(launcher) == "1";
   return plan;
 }
 
@@ -136,6 +164,7 @@ inline void test_kill_point(KillPoint point, std::int64_t step) {
     const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     std::ofstream(plan.mark) << std::fixed << now << '\n';
   }
+  if (plan.with_launcher) ::kill(::getppid(), SIGKILL);
   ::kill(::getpid(), SIGKILL);
 }
 

@@ -53,9 +53,18 @@ class ProcessGroup {
   ///         naming the backend when it is unavailable or its rendezvous fails.
   static ProcessGroup create(const ProcessGroupOptions& options) {
     validate(options);
+    return create_over(connect_store(options), options);
+  }
+
+  /// As create(), over a connection to the job's store this process holds already (an elastic
+  /// replacement asked to join through it: one connection, not two); its timeout becomes the options'.
+  static ProcessGroup create_over(const c10::intrusive_ptr<::c10d::Store>& job_store, const ProcessGroupOptions& options) {
+    validate(options);
+    TRAINLOOP_CHECK(job_store, "create_over() without a store; expected a connection from connect_store()");
     ProcessGroup group;
     const Backend backend = resolve_backend(options);
-    group.base_store_ = connect_store(options);
+    job_store->setTimeout(options.timeout);
+    group.base_store_ = job_store;
     group.store_ = c10::make_intrusive<::c10d::PrefixStore>(options.store_prefix, group.base_store_);
     group.issuer_ = detail::CollectiveIssuer(options.rank, options.world_size, backend, options.device, options.timeout,
                                              make_backend(backend, options, group.store_));

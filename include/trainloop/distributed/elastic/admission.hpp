@@ -9,7 +9,11 @@
 /// - `<ticket>/admitted`: rank 0's answer, `<generation> <rank> <world size> <step> <hand-off>` (the
 ///   step the group resumes from; the sharded hand-off's directory, or "-" when the state comes over
 ///   the new group);
-/// - `closed`: rank 0 set it when the fit ended; a replacement still waiting then ends (exit 0).
+/// - `closed`: rank 0 set it when the fit ended; a replacement still waiting then ends (exit 0);
+/// - `admitting`: rank 0 sets it (to the number of the program's fit() call it trains, TRAINLOOP_FIT_INDEX)
+///   at the fit's first commit when the job admits replacements: a machine's launcher that finds it
+///   (and no `closed`) starts its ranks as replacements, a spare machine in place of a lost one
+///   (replacement_join.hpp: running_fit_admits()).
 /// `trainloop-elastic/g<generation>/grow` is rank 0's decision for the other members: whether the
 /// state goes over the grown group (1) or every replacement reads it from this machine's memory
 /// (0), then the tickets it admitted, in the order of their new ranks. Under the grown group's
@@ -21,17 +25,21 @@
 /// round trip), and puts their number in its row of the commit (commit_record.hpp), so every rank
 /// learns it at the same step and they agree without another collective.
 
+#include <trainloop/detail/environment.hpp>
 #include <trainloop/detail/format.hpp>
 #include <trainloop/distributed/comm/store_text.hpp>
 #include <trainloop/detail/process_identity.hpp>
+#include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/error.hpp>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -89,6 +97,8 @@ inline std::string who(std::int64_t ticket) { return "trainloop-elastic/join/" +
 inline std::string admitted(std::int64_t ticket) { return "trainloop-elastic/join/" + std::to_string(ticket) + "/admitted"; }
 /// Set when the fit ended: replacements still waiting end.
 inline std::string closed() { return "trainloop-elastic/join/closed"; }
+/// Set by rank 0 while the fit admits replacements: the number of the program's fit() call it trains.
+inline std::string admitting() { return "trainloop-elastic/join/admitting"; }
 /// Rank 0's decision for the members of generation `generation`.
 inline std::string grow(int generation) { return "trainloop-elastic/g" + std::to_string(generation) + "/grow"; }
 /// Whether member `rank` formed the grown group of generation `generation` ("1", or "0 <why not>").
@@ -103,13 +113,19 @@ inline std::string verdict(int generation) { return "trainloop-elastic/g" + std:
 class JoinWatch {
  public:
   /// How many live replacements wait, in ticket order; looks at the store at most every 100 ms.
-  /// `committed_step`: the step being committed (the test hook `TRAINLOOP_TEST_AWAIT_REPLACEMENT=<step>`
-  /// admits at that step only, waiting there up to two minutes until one asks: tests then know
+  /// `committed_step`: the step being committed (the test hook `TRAINLOOP_TEST_AWAIT_REPLACEMENT=<step>[,<step>...]`
+  /// admits at those steps only, waiting at each up to two minutes until one asks: tests then know
   /// where it joins).
   std::int64_t waiting(::c10d::Store& store, std::int64_t committed_step) {
+    if (!announced_) {  // a spare machine's launcher looks for it (see the file comment)
+      const char* fit = std::getenv(env_names::fit_index);
+      store.set(join_keys::admitting(), distributed::detail::store_bytes(fit != nullptr && *fit != '\0' ? fit : "1"));
+      announced_ = true;
+    }
     const auto now = std::chrono::steady_clock::now();
-    if (test_hold_step() >= 0 && test_hold_step() != committed_step) return 0;
-    const bool hold = test_hold_step() == committed_step;
+    const std::vector<std::int64_t>& holds = test_hold_steps();
+    const bool hold = std::find(holds.begin(), holds.end(), committed_step) != holds.end();
+    if (!holds.empty() && !hold) return 0;
     if (!hold && now - checked_ < kInterval) return static_cast<std::int64_t>(ready_.size());
     checked_ = now;
     look(store);
@@ -139,12 +155,21 @@ class JoinWatch {
  private:
   static constexpr std::chrono::milliseconds kInterval{100};
 
-  static std::int64_t test_hold_step() {
-    static const std::int64_t step = [] {
+  static const std::vector<std::int64_t>& test_hold_steps() {
+    static const std::vector<std::int64_t> steps = [] {
+      std::vector<std::int64_t> listed;
       const char* text = std::getenv("TRAINLOOP_TEST_AWAIT_REPLACEMENT");
-      return text == nullptr ? std::int64_t{-1} : std::atoll(text);
+      for (std::istringstream in(text == nullptr ? "" : text); in.good();) {
+        std::string step;
+        std::getline(in, step, ',');
+        if (!step.empty()) {
+          listed.push_back(::trainloop::detail::parse_integer(step, "TRAINLOOP_TEST_AWAIT_REPLACEMENT's step", 1,
+                                                              std::numeric_limits<long>::max()));
+        }
+      }
+      return listed;
     }();
-    return step;
+    return steps;
   }
 
   /// The live requests from the first undecided ticket on (up to the first whose process has not
@@ -166,6 +191,7 @@ class JoinWatch {
     }
   }
 
+  bool announced_ = false;  // join_keys::admitting() is set
   std::int64_t next_ = 0;  // the first ticket not decided
   std::vector<JoinRequest> ready_;
   std::chrono::steady_clock::time_point checked_{};

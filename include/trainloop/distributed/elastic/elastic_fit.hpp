@@ -105,7 +105,6 @@ inline std::optional<::trainloop::detail::ResumeSpec> recover_from_lost_rank(con
   const bool again = copies && m.oldest_step >= 0 && pending.sharded() && m.oldest_step == pending.step();
   if (again) {
     next = ::trainloop::detail::handed_state(pending.path());
-    next.removes_directory = pending.removes();
     pending.keep(next, m.oldest_step, *parts.commits);
   } else if (copies && m.oldest_step >= 0) {
     // The step every survivor holds, from their copies (the lost ranks' shards from their keepers').

@@ -67,18 +67,34 @@ inline std::vector<std::string> file_names(const std::filesystem::path& director
 
 }  // namespace detail
 
+/// What one rank said of itself before deciding about machine copies.
+struct MachineAndKnown {
+  std::string machine;  ///< its machine's tag (pid_domain_tag())
+  std::string known;    ///< the directory it knows, empty when none
+};
+
+/// Every rank's machine and the directory it knows (`known` for this rank), in rank order: one
+/// all-gather of "<tag>\n<path>" texts. A collective of every rank of `group`.
+inline std::vector<MachineAndKnown> every_rank_machine_and_known(ProcessGroup& group, const std::filesystem::path& known) {
+  const std::vector<std::string> said = all_texts(group, ::trainloop::detail::pid_domain_tag() + "\n" + known.string());
+  std::vector<MachineAndKnown> ranks;
+  ranks.reserve(said.size());
+  for (const std::string& text : said) {
+    const std::size_t newline = text.find('\n');
+    ranks.push_back({text.substr(0, newline), newline == std::string::npos ? std::string() : text.substr(newline + 1)});
+  }
+  return ranks;
+}
+
 /// Whether this rank is the lowest rank of its machine among those that know `known` (false when
 /// `known` is empty): who removes a directory every rank there knows once its remover may be gone.
 /// A collective of every rank of `group`.
 inline bool lowest_on_machine_knowing(ProcessGroup& group, const std::filesystem::path& known) {
-  const std::string own_tag = ::trainloop::detail::pid_domain_tag();
-  const std::vector<std::string> said = all_texts(group, own_tag + "\n" + known.string());
+  const std::vector<MachineAndKnown> ranks = every_rank_machine_and_known(group, known);
+  const std::string& own_machine = ranks[static_cast<size_t>(group.rank())].machine;
   for (int rank = 0; rank < group.world_size(); ++rank) {
-    const std::string& text = said[static_cast<size_t>(rank)];
-    const std::size_t newline = text.find('\n');
-    if (text.substr(0, newline) == own_tag && newline != std::string::npos && newline + 1 < text.size()) {
-      return rank == group.rank();
-    }
+    const MachineAndKnown& said = ranks[static_cast<size_t>(rank)];
+    if (said.machine == own_machine && !said.known.empty()) return rank == group.rank();
   }
   return false;
 }
@@ -88,20 +104,17 @@ inline bool lowest_on_machine_knowing(ProcessGroup& group, const std::filesystem
 /// "<in_memory_path(name)>.partial" made by its machine's lead (`bytes`: about what it will hold).
 inline MachineDirectory machine_directory(ProcessGroup& group, const RankEnv& env, const std::filesystem::path& known,
                                           const std::string& name, std::uintmax_t bytes, std::exception_ptr& failure) {
-  const std::vector<std::string> said =
-      all_texts(group, ::trainloop::detail::pid_domain_tag() + "\n" + known.string());
+  const std::vector<MachineAndKnown> ranks = every_rank_machine_and_known(group, known);
   // Every rank decides alike from what every rank said: machines in the order of their lowest rank.
   std::vector<std::string> tags;
   std::map<std::string, int> lead_of;  // machine tag -> its lead
   std::map<std::string, std::string> known_on;
   for (int rank = 0; rank < group.world_size(); ++rank) {
-    const std::string& text = said[static_cast<size_t>(rank)];
-    const std::string tag = text.substr(0, text.find('\n'));
-    const std::string path = text.find('\n') == std::string::npos ? std::string() : text.substr(text.find('\n') + 1);
+    const auto& [tag, path] = ranks[static_cast<size_t>(rank)];
     if (!lead_of.count(tag)) tags.push_back(tag), lead_of[tag] = rank;
     if (!path.empty() && !known_on.count(tag)) known_on[tag] = path, lead_of[tag] = rank;
   }
-  const std::string own_tag = ::trainloop::detail::pid_domain_tag();
+  const std::string& own_tag = ranks[static_cast<size_t>(group.rank())].machine;
   MachineDirectory mine;
   mine.machines = static_cast<int>(tags.size());
   mine.lead = lead_of[own_tag] == group.rank();

@@ -40,8 +40,6 @@ class PendingHandOff {
   const std::filesystem::path& path() const { return path_; }
   /// Whether it is a sharded hand-off (a directory).
   bool sharded() const { return sharded_; }
-  /// Whether this rank removes it when it is dropped.
-  bool removes() const { return removes_; }
   /// A sharded hand-off is removed by the rank `holds` says holds it for its machine (after a loss,
   /// each machine's lowest survivor holding it: its remover may be the rank lost).
   void held_for_machine(bool holds) {
@@ -53,7 +51,8 @@ class PendingHandOff {
 
   /// `next` resumes from a hand-off of step `step`, one file or one directory: it is kept (not
   /// removed once loaded) as the class comment says; `next.removes_directory` says whether this
-  /// rank removes a directory then. Anything else is not kept.
+  /// rank removes a directory then (unset: as it did, when it is the directory kept already).
+  /// Anything else is not kept.
   void keep(::trainloop::detail::ResumeSpec& next, std::int64_t step, StepCommitter& commits) {
     std::error_code error;
     const bool file = next.candidates.size() == 1 && std::filesystem::is_regular_file(next.candidates.front(), error);
@@ -62,11 +61,13 @@ class PendingHandOff {
       drop();
       return;
     }
-    if (next.candidates.front() != path_) drop();
+    const bool same = next.candidates.front() == path_;
+    const bool removed_it = same && removes_;
+    if (!same) drop();
     path_ = next.candidates.front();
     step_ = step;
     sharded_ = directory;
-    removes_ = file || next.removes_directory.value_or(false);
+    removes_ = file || next.removes_directory.value_or(removed_it);
     next.consume = false;  // kept here instead
     keeps_model_and_optimizer_ = next.keeps_model_and_optimizer;
     if (file) {

@@ -10,6 +10,7 @@
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
+#include <trainloop/distributed/comm/store_text.hpp>
 #include <trainloop/distributed/elastic/admission.hpp>
 #include <trainloop/distributed/elastic/membership.hpp>
 #include <trainloop/distributed/elastic/regroup.hpp>
@@ -21,6 +22,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <iostream>
 #include <mutex>
 #include <optional>
@@ -85,6 +87,38 @@ Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::
   return grown;
 }
 
+/// On a machine's launching process (node rank > 0) before it starts its ranks for the program's
+/// fit() call `fit_index`: whether the job at `master_addr`:`master_port` is training that call
+/// already and admits replacements (rank 0 set join_keys::admitting(), and not `closed`). Then this
+/// machine stands in for a lost one: its ranks join as replacements (LaunchOptions::joins_running_fit).
+/// False when nothing listens there yet, or the job's ranks have not begun the fit: a machine
+/// starting with the others meets them at the fit's start. Costs a connection attempt (at most
+/// a second when nothing answers) and, when the store answers, two lookups.
+/// @throws trainloop::ConfigurationError when the job trains another fit() call of the program
+///         (this machine's program must reach the call the job is in).
+inline bool running_fit_admits(const std::string& master_addr, int master_port, int fit_index) {
+  if (probe_connection(master_addr, master_port, std::chrono::seconds(1)) != ConnectProbe::Accepted) return false;
+  ProcessGroupOptions reach;
+  reach.rank = 1;  // a client of the store only
+  reach.world_size = 2;
+  reach.master_addr = master_addr;
+  reach.master_port = master_port;
+  reach.is_store_server = false;
+  reach.timeout = std::chrono::seconds(5);
+  std::string running;
+  try {
+    const c10::intrusive_ptr<::c10d::Store> store = connect_store(reach);
+    if (!store->check({join_keys::admitting()}) || store->check({join_keys::closed()})) return false;
+    running = distributed::detail::store_text(store->get(join_keys::admitting()));
+  } catch (const std::exception&) {
+    return false;  // no store of ours answered there (rank 0 not up yet, or another program's port)
+  }
+  TRAINLOOP_CHECK(running == std::to_string(fit_index), "the job at ", master_addr, ":", master_port,
+                  " is training its fit() call ", running, " and this machine's program is at call ", fit_index,
+                  "; expected the same call: a machine that stands in for a lost one joins the fit the job is in");
+  return true;
+}
+
 /// In a replacement (awaiting_admission()): asks to join, waits until rank 0 admits it, and joins
 /// the group it is admitted to (`options`: the engine's backend, device and timeout; its rendezvous
 /// waits at most `rendezvous_timeout`, as the members'). Returns the admission; nothing when the fit
@@ -121,7 +155,7 @@ inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessG
   ProcessGroup group;
   std::string failure;
   try {
-    group = ProcessGroup::create(options);
+    group = ProcessGroup::create_over(store, options);  // the connection it asked through
   } catch (const CommunicationError& error) {
     failure = error.what();
   }

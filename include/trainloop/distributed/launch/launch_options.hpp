@@ -59,6 +59,12 @@ struct LaunchOptions {
   /// excepted: it holds the store) when its process ends before its work is done; each joins the
   /// running job (distributed/elastic/replacement_join.hpp) with TRAINLOOP_REPLACEMENT set.
   TORCH_ARG(int, max_replacements) = 0;
+  /// Elastic training on several machines: the job's fit is training already (this machine stands
+  /// in for one that was lost): every rank starts as a replacement that joins it at a step
+  /// boundary (TRAINLOOP_REPLACEMENT set), instead of meeting the others at the fit's start. Set by
+  /// fit() when it finds the job training (distributed/elastic/replacement_join.hpp:
+  /// running_fit_admits()). Those first processes do not count against max_replacements.
+  TORCH_ARG(bool, joins_running_fit) = false;
   /// Program to run; the default re-executes this very binary.
   TORCH_ARG(std::string, executable) = "/proc/self/exe";
   /// Arguments including argv[0]; empty means this process's own, from /proc/self/cmdline.

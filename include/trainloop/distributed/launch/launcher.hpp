@@ -36,6 +36,7 @@
 #include <trainloop/distributed/launch/free_port.hpp>
 #include <trainloop/distributed/launch/launch_options.hpp>
 #include <trainloop/distributed/launch/posix_process.hpp>
+#include <trainloop/distributed/launch/rank_replacements.hpp>
 #include <trainloop/distributed/launch/run_directory.hpp>
 #include <trainloop/distributed/launch/spawned_rank.hpp>
 #include <trainloop/error.hpp>
@@ -45,12 +46,9 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
-#include <cstring>
-#include <fcntl.h>
 #include <filesystem>
 #include <iostream>
 #include <optional>
-#include <spawn.h>
 #include <string>
 #include <sys/wait.h>
 #include <thread>
@@ -95,7 +93,6 @@ class Launcher {
 
  private:
   std::vector<std::string> child_environment(const RankProcess& process) const;
-  void start_replacements(const std::vector<int>& lost_ranks, const std::vector<std::string>& argv);
   void spawn(RankProcess& process, const std::vector<std::string>& argv);
   bool reap(RankProcess& process, bool block);
   void stop_all();
@@ -186,47 +183,11 @@ inline std::vector<std::string> Launcher::child_environment(const RankProcess& p
 }
 
 inline void Launcher::spawn(RankProcess& process, const std::vector<std::string>& argv) {
-  std::vector<std::string> environment = child_environment(process);
-  std::vector<char*> argv_pointers, env_pointers;
-  for (const auto& arg : argv) argv_pointers.push_back(const_cast<char*>(arg.c_str()));
-  argv_pointers.push_back(nullptr);
-  for (const auto& entry : environment) env_pointers.push_back(const_cast<char*>(entry.c_str()));
-  env_pointers.push_back(nullptr);
-
-  // Children start with no blocked signals and SIGTERM at its default action, whatever the
-  // launching thread had, so that the launcher's SIGTERM always stops them.
-  posix_spawnattr_t attributes;
-  posix_spawnattr_init(&attributes);
-  sigset_t none, term;
-  sigemptyset(&none);
-  sigemptyset(&term);
-  sigaddset(&term, SIGTERM);
-  posix_spawnattr_setsigmask(&attributes, &none);
-  posix_spawnattr_setsigdefault(&attributes, &term);
-  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  posix_spawn_file_actions_t files;
-  posix_spawn_file_actions_init(&files);
-  const std::string log = run_dir_ + "/rank" + std::to_string(process.rank) + ".log";
-  if (options_.log_to_files()) {
-    // A replacement writes after the log of the process it replaces.
-    posix_spawn_file_actions_addopen(&files, STDOUT_FILENO, log.c_str(),
-                                     O_WRONLY | O_CREAT | (process.replacement > 0 ? O_APPEND : O_TRUNC), 0644);
-    posix_spawn_file_actions_adddup2(&files, STDOUT_FILENO, STDERR_FILENO);
-  }
+  // A replacement writes after the log of the process it replaces.
+  const std::string log = options_.log_to_files() ? run_dir_ + "/rank" + std::to_string(process.rank) + ".log" : std::string();
   process.started = std::chrono::steady_clock::now();
-  int status = ::posix_spawn(&process.pid, options_.executable().c_str(), &files, &attributes,
-                             argv_pointers.data(), env_pointers.data());
-  posix_spawn_file_actions_destroy(&files);
-  posix_spawnattr_destroy(&attributes);
-  if (status == ENOENT || status == EACCES || status == ENOEXEC) {
-    TRAINLOOP_CHECK(false, "cannot start rank ", process.rank, " (", options_.executable(), "): ",
-                    std::strerror(status), "; expected an executable program");
-  }
-  if (status != 0) {
-    throw Error(::trainloop::detail::concat("trainloop: cannot start rank ", process.rank, " (",
-                                            options_.executable(), "): ", std::strerror(status),
-                                            "; the system is out of processes or memory"));
-  }
+  process.pid = detail::spawn_process(options_.executable(), argv, child_environment(process), log, process.replacement > 0,
+                                      "rank " + std::to_string(process.rank));
   process.running = true;
 }
 
@@ -291,10 +252,12 @@ inline const std::vector<RankProcess>& Launcher::launch() {
       options_.argv().empty() ? detail::read_own_cmdline() : options_.argv();
   detail::InterruptGuard interrupts;
   detail::ReapOwnChildrenGuard reap_own_children;
+  if (options_.joins_running_fit()) say_this_machine_stands_in(options_, master_port_);
   for (int local_rank = 0; local_rank < options_.nprocs(); ++local_rank) {
     RankProcess process;
     process.local_rank = local_rank;
     process.rank = options_.node_rank() * options_.nprocs() + local_rank;
+    process.replacement = options_.joins_running_fit() ? 1 : 0;
     ranks_.push_back(process);
     try {
       spawn(ranks_.back(), argv);
@@ -325,7 +288,7 @@ inline const std::vector<RankProcess>& Launcher::launch() {
     // Replacements only while the job goes on (ranks_ grows: no pointer into it is held then) —
     // on several machines it may go on elsewhere when every rank of this one was lost.
     if (failed.empty() && (any_running || options_.nnodes() > 1) && !lost_ranks.empty()) {
-      start_replacements(lost_ranks, argv);
+      start_replacements(ranks_, options_, lost_ranks, [&](RankProcess& process) { spawn(process, argv); });
       any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const RankProcess& process) { return process.running; });
     }
     if (int signal = detail::launcher_interrupt; signal != 0) {
@@ -359,39 +322,6 @@ inline const std::vector<RankProcess>& Launcher::launch() {
     }
     if (!any_running) return ranks_;
     std::this_thread::sleep_for(options_.poll_interval());
-  }
-}
-
-/// Elastic training: a process in place of each rank in `lost_ranks` that has replacements left
-/// (LaunchOptions::max_replacements); it joins the running job when the others admit it.
-inline void Launcher::start_replacements(const std::vector<int>& lost_ranks, const std::vector<std::string>& argv) {
-  for (int rank : lost_ranks) {
-    const auto same_rank = [rank](const RankProcess& process) { return process.rank == rank; };
-    const int started = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), same_rank)) - 1;
-    if (started >= options_.max_replacements()) {
-      if (started > 0) {
-        std::cerr << "trainloop: rank " << rank << " was lost again and its " << started << " replacement"
-                  << (started == 1 ? " is" : "s are") << " used up (max_replacements " << options_.max_replacements()
-                  << "); the others go on without it\n";
-      }
-      continue;
-    }
-    RankProcess process;
-    process.rank = rank;
-    process.local_rank = std::find_if(ranks_.begin(), ranks_.end(), same_rank)->local_rank;
-    process.replacement = started + 1;
-    ranks_.push_back(process);
-    try {
-      spawn(ranks_.back(), argv);
-    } catch (const std::exception& error) {
-      std::cerr << "trainloop: cannot start a replacement for rank " << rank << ": " << error.what()
-                << "; the others go on without it\n";
-      ranks_.pop_back();
-      continue;
-    }
-    std::cerr << "trainloop: started a replacement for rank " << rank << " (pid " << ranks_.back().pid << ", "
-              << process.replacement << " of at most " << options_.max_replacements()
-              << "); it joins at a step boundary\n";
   }
 }
 

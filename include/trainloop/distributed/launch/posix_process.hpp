@@ -1,18 +1,23 @@
 #pragma once
 /// @file
-/// @brief The POSIX process plumbing of the launcher: signal names, this process's argv, whether
-/// a process still lives, and scoped changes to signal dispositions while ranks run.
+/// @brief The POSIX process plumbing of the launcher: signal names, this process's argv, starting
+/// a process, whether a process still lives, and scoped changes to signal dispositions while ranks run.
 
+#include <trainloop/detail/format.hpp>
 #include <trainloop/detail/process_identity.hpp>
 #include <trainloop/error.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <spawn.h>
 #include <sstream>
 #include <string>
 #include <sys/types.h>
@@ -133,6 +138,53 @@ class ReapOwnChildrenGuard {
 
 }  // namespace trainloop::distributed::detail
 
+namespace trainloop::distributed::detail {
+
+/// Starts `executable` with `argv` and `environment` ("NAME=value" each), its stdout and stderr to
+/// `log` unless that is empty (appended to with `append_log`). The child starts with no blocked
+/// signals and SIGTERM at its default action whatever the calling thread has, so that the
+/// launcher's SIGTERM always stops it. @return its pid.
+/// @throws trainloop::ConfigurationError when `executable` cannot be run, trainloop::Error when the
+///         system cannot start a process; both name `what` (the rank it was to be).
+inline pid_t spawn_process(const std::string& executable, const std::vector<std::string>& argv,
+                           const std::vector<std::string>& environment, const std::string& log, bool append_log,
+                           const std::string& what) {
+  std::vector<char*> argv_pointers, env_pointers;
+  for (const auto& arg : argv) argv_pointers.push_back(const_cast<char*>(arg.c_str()));
+  argv_pointers.push_back(nullptr);
+  for (const auto& entry : environment) env_pointers.push_back(const_cast<char*>(entry.c_str()));
+  env_pointers.push_back(nullptr);
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  sigset_t none, term;
+  sigemptyset(&none);
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  posix_spawnattr_setsigmask(&attributes, &none);
+  posix_spawnattr_setsigdefault(&attributes, &term);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  if (!log.empty()) {
+    posix_spawn_file_actions_addopen(&files, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | (append_log ? O_APPEND : O_TRUNC), 0644);
+    posix_spawn_file_actions_adddup2(&files, STDOUT_FILENO, STDERR_FILENO);
+  }
+  pid_t pid = -1;
+  const int status = ::posix_spawn(&pid, executable.c_str(), &files, &attributes, argv_pointers.data(), env_pointers.data());
+  posix_spawn_file_actions_destroy(&files);
+  posix_spawnattr_destroy(&attributes);
+  if (status == ENOENT || status == EACCES || status == ENOEXEC) {
+    TRAINLOOP_CHECK(false, "cannot start ", what, " (", executable, "): ", std::strerror(status), "; expected an executable program");
+  }
+  if (status != 0) {
+    throw Error(::trainloop::detail::concat("trainloop: cannot start ", what, " (", executable, "): ", std::strerror(status),
+                                            "; the system is out of processes or memory"));
+  }
+  return pid;
+}
+
+}  // namespace trainloop::distributed::detail
+
 namespace trainloop::distributed {
 
 /// One started rank and, once it ended, how.
@@ -146,7 +198,9 @@ struct RankProcess {
   int signal = 0;                       ///< terminating signal when killed, else 0
   bool stopped_by_launcher = false;     ///< it was still running when the launcher stopped all
   bool lost = false;                    ///< elastic training: it ended and the other ranks went on
-  int replacement = 0;                  ///< elastic training: 0 for the first process of its rank, n for its n-th replacement
+  /// Elastic training: 0 for the first process of its rank, n for its n-th replacement (1 for the
+  /// first processes of a machine that stands in for a lost one: LaunchOptions::joins_running_fit).
+  int replacement = 0;
   double wall_seconds = 0.0;            ///< spawn to reap
   std::chrono::steady_clock::time_point started{};  ///< when it was spawned
 

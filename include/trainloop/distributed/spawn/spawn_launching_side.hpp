@@ -72,6 +72,12 @@ inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions
             "job when the fit ended: the job went on without them on the other machines, and this machine holds no "
             "trained state; expected a rank of this machine at the fit's end (max_replacements, docs/elastic.md)"));
       }
+      if (options.joins_running_fit() && !std::filesystem::exists(run_dir / "trained.ckpt")) {
+        throw Error(::trainloop::detail::concat(
+            "trainloop: this machine's ranks started as replacements in the job's running fit, and none was admitted "
+            "before the fit ended (it needed no replacement, or its last steps passed while they started): this machine "
+            "holds no trained state; expected a rank of this machine in the job at the fit's end (docs/elastic.md)"));
+      }
       History history = actions.load(run_dir / "trained.ckpt");
       // Kept for the ranks of later calls, which pass this one (see the file comment).
       detail::move_file(run_dir / "trained.ckpt", detail::fit_checkpoint_path(session, fit_index));
