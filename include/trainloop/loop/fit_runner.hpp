@@ -29,6 +29,7 @@
 #include <trainloop/loop/fit_inputs.hpp>
 #include <trainloop/loop/fit_run.hpp>
 #include <trainloop/loop/shard_indices.hpp>
+#include <trainloop/loop/weight_services.hpp>
 #include <trainloop/model_contract.hpp>
 #include <trainloop/nn/sync_batch_norm.hpp>
 #include <trainloop/options.hpp>
@@ -241,53 +242,7 @@ class FitRunner {
       // Inside an epoch only: an epoch's validation and on_epoch_end run once, before it.
       if (!epoch_start) admit_agreed_replacements(engine, [&] { checkpoints_.finish_checkpoints(engine); });
     };
-    describe_weights(engine, state);
-  }
-
-  /// The TrainState's services for the weights (whole on demand, this rank's own copy): the
-  /// engine's parameter members (engine/optional_members.hpp).
-  template <ModeEngine Engine>
-  void describe_weights(Engine& engine, TrainState& state) {
-    state.gather_whole_weights = [&engine] { unshard_parameters(engine); };
-    state.free_whole_weights = [this, &engine] {
-      checkpoints_.await_checkpoint_capture();  // the shares are written back
-      reshard_parameters(engine);
-    };
-    state.copy_own_weights = [this, &engine] {
-      checkpoints_.await_checkpoint_capture();  // fsdp full refreshes its own chunks from whole units
-      torch::NoGradGuard no_grad;
-      OwnWeights own;
-      if (auto shares = parameter_shares(engine)) {
-        own.tensors = std::move(*shares);
-        own.shares = true;
-      } else {
-        for (const auto& parameter : module_.parameters()) own.tensors.push_back(parameter.detach().clone());
-      }
-      for (const auto& buffer : module_.buffers()) own.tensors.push_back(buffer.detach().clone());
-      return own;
-    };
-    state.restore_own_weights = [this, &engine](const OwnWeights& own) {
-      checkpoints_.await_checkpoint_capture();  // a checkpoint behind training still copying the weights
-      torch::NoGradGuard no_grad;
-      auto buffers = module_.buffers();
-      TRAINLOOP_CHECK(own.tensors.size() >= buffers.size(), "the weights put back hold ", own.tensors.size(),
-                      " tensors and the model has ", buffers.size(), " buffers; expected a copy of this model");
-      const auto first_buffer = own.tensors.end() - static_cast<std::ptrdiff_t>(buffers.size());
-      if (own.shares) {
-        load_parameter_shares(engine, std::vector<torch::Tensor>(own.tensors.begin(), first_buffer));
-      } else {
-        auto parameters = module_.parameters();
-        TRAINLOOP_CHECK(own.tensors.size() == parameters.size() + buffers.size(), "the weights put back hold ",
-                        own.tensors.size(), " tensors but the model has ", parameters.size() + buffers.size(),
-                        "; expected the same model");
-        // Whole weights into shares (a copy made before the fit sharded them): through the whole model.
-        const bool sharded = evaluates_in_lockstep(engine);  // the engine keeps shares now
-        if (sharded) unshard_parameters(engine);
-        for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(own.tensors[i]);
-        if (sharded) reshard_parameters(engine);
-      }
-      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(*(first_buffer + static_cast<std::ptrdiff_t>(i)));
-    };
+    describe_weights(engine, state, module_, checkpoints_);
   }
 
   /// The epochs of this call, until its length, a stop inside an epoch, or an agreed stop.

@@ -264,11 +264,20 @@ inline std::string wait_for_key(::c10d::Store& store, const std::string& key, st
   }
 }
 
+namespace detail {
+
+/// What a "1" (yes) or "0 <why not>" word in the store says: empty for yes, else why not.
+inline std::string why_not(const std::string& word) {
+  if (word == "1") return std::string();
+  return word.size() > 2 ? word.substr(2) : std::string("no reason");
+}
+
+}  // namespace detail
+
 /// Rank 0's verdict on the grown group of generation `generation` (agree_on_growth): the empty
 /// string when it goes on, else why not.
 inline std::string verdict_of_growth(::c10d::Store& store, int generation, std::chrono::milliseconds timeout) {
-  const std::string verdict = wait_for_key(store, join_keys::verdict(generation), timeout, "rank 0's verdict on the grown group");
-  return verdict == "1" ? std::string() : (verdict.size() > 2 ? verdict.substr(2) : std::string("no reason"));
+  return detail::why_not(wait_for_key(store, join_keys::verdict(generation), timeout, "rank 0's verdict on the grown group"));
 }
 
 /// Every member's part in deciding whether the grown group of generation `generation` goes on:
@@ -282,11 +291,9 @@ inline std::string agree_on_growth(::c10d::Store& store, int generation, int ran
   if (rank == 0) {
     std::string first_failure;
     for (int member = 0; member < members; ++member) {
-      const std::string word = wait_for_key(store, join_keys::formed(generation, member), timeout,
-                                            ::trainloop::detail::concat("member ", member, "'s word on the grown group"));
-      if (word != "1" && first_failure.empty()) {
-        first_failure = ::trainloop::detail::concat("rank ", member, ": ", word.size() > 2 ? word.substr(2) : std::string("no reason"));
-      }
+      const std::string why = detail::why_not(wait_for_key(store, join_keys::formed(generation, member), timeout,
+                                                           ::trainloop::detail::concat("member ", member, "'s word on the grown group")));
+      if (!why.empty() && first_failure.empty()) first_failure = ::trainloop::detail::concat("rank ", member, ": ", why);
     }
     store.set(join_keys::verdict(generation), distributed::detail::store_bytes(first_failure.empty() ? "1" : "0 " + first_failure));
   }
