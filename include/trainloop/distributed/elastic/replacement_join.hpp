@@ -87,6 +87,27 @@ Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::
   return grown;
 }
 
+namespace detail {
+
+/// A client connection to the job's store at `master_addr`:`master_port`, within 5 s; null when
+/// none answers there (a store that is gone: rank 0's process, which holds it, ended).
+inline c10::intrusive_ptr<::c10d::Store> reach_job_store(const std::string& master_addr, int master_port) {
+  ProcessGroupOptions reach;
+  reach.rank = 1;  // only to reach the store as a client
+  reach.world_size = 2;
+  reach.master_addr = master_addr;
+  reach.master_port = master_port;
+  reach.is_store_server = false;
+  reach.timeout = std::chrono::seconds(5);
+  try {
+    return connect_store(reach);
+  } catch (const CommunicationError&) {
+    return {};
+  }
+}
+
+}  // namespace detail
+
 /// On a machine's launching process (node rank > 0) before it starts its ranks for the program's
 /// fit() call `fit_index`: whether the job at `master_addr`:`master_port` is training that call
 /// already and admits replacements (rank 0 set join_keys::admitting(), and not `closed`). Then this
@@ -98,16 +119,10 @@ Grown grow_job(const RankEnv& env, JoinWatch* watch, std::int64_t waiting, std::
 ///         (this machine's program must reach the call the job is in).
 inline bool running_fit_admits(const std::string& master_addr, int master_port, int fit_index) {
   if (probe_connection(master_addr, master_port, std::chrono::seconds(1)) != ConnectProbe::Accepted) return false;
-  ProcessGroupOptions reach;
-  reach.rank = 1;  // a client of the store only
-  reach.world_size = 2;
-  reach.master_addr = master_addr;
-  reach.master_port = master_port;
-  reach.is_store_server = false;
-  reach.timeout = std::chrono::seconds(5);
   std::string running;
   try {
-    const c10::intrusive_ptr<::c10d::Store> store = connect_store(reach);
+    const c10::intrusive_ptr<::c10d::Store> store = detail::reach_job_store(master_addr, master_port);
+    if (!store) return false;
     if (!store->check({join_keys::admitting()}) || store->check({join_keys::closed()})) return false;
     running = distributed::detail::store_text(store->get(join_keys::admitting()));
   } catch (const std::exception&) {
@@ -133,14 +148,8 @@ inline std::optional<Admission> join_as_replacement(const RankEnv& env, ProcessG
   options.is_store_server = false;
   // The store lives as long as rank 0's process: nothing listening means the job is over (a
   // replacement started as the fit ended; or rank 0 was lost, which its launcher reports).
-  ProcessGroupOptions reach = options;
-  reach.timeout = std::chrono::seconds(5);
-  c10::intrusive_ptr<::c10d::Store> store;
-  try {
-    store = connect_store(reach);
-  } catch (const CommunicationError&) {
-    return std::nullopt;
-  }
+  const c10::intrusive_ptr<::c10d::Store> store = detail::reach_job_store(env.master_addr, env.master_port);
+  if (!store) return std::nullopt;
   const std::int64_t ticket = ask_to_join(*store, env.rank);
   std::optional<Admission> admission = wait_for_admission(*store, ticket);
   if (!admission) return std::nullopt;
