@@ -7,10 +7,12 @@
 #
 # DEPS_DIR is what scripts/gather-gpu-deps.sh made on a Debian machine (headers the GPU machine
 # lacks, and the Fashion-MNIST data). STEPS (default "probe build test example speed zoo models rest") picks
-# steps (`models`: item 6's TorchScript, Python weights and torch.export on CUDA, and item 7's
+# steps (`suite`: the ctest suite beyond test_cuda; `models`: item 6's TorchScript, Python weights and torch.export on CUDA, and item 7's
 # image folder). The device time a session gets is short (15 minutes, its start included), so:
 #   TARGETS="test_cuda fashion_mnist ..."  build only these first (default: everything);
 #   DEADLINE=<seconds>                      every step stops by then, counted from the script's start;
+#   DEADLINE_AT=<epoch seconds>             the same as a point in time (`date +%s`), for several calls of
+#                                           this script in one device call (one building while another tests);
 #   REPS=<n>                                repetitions of the speed comparisons (default 3);
 #   rest                                    builds everything else last, until the deadline: the
 #                                           compiler's warnings of the whole project there.
@@ -21,6 +23,7 @@ out=$2
 steps=${3:-probe build test example speed zoo models rest}
 started=$SECONDS
 deadline=${DEADLINE:-100000}
+[[ -n ${DEADLINE_AT:-} ]] && deadline=$((DEADLINE_AT - $(date +%s)))
 reps=${REPS:-3}
 # What is left of the deadline, at most $1 seconds (a step's own cap), at least 1.
 left() { local l=$((deadline - (SECONDS - started))); ((l > $1)) && l=$1; ((l < 1)) && l=1; echo "$l"; }
@@ -87,6 +90,20 @@ if has test; then
   if grep -q "memory access violation\|Segmentation fault" "$out/test.log" && command -v cuda-gdb > /dev/null; then
     timeout "$(left 120)" cuda-gdb -batch -ex run -ex bt --args "$build/tests/test_cuda" >> "$out/test.log" 2>&1
   fi
+fi
+
+if has suite; then
+  # The ctest suite on the GPU machine beyond test_cuda (which `test` runs), until the deadline: first
+  # the programs whose code takes another path where CUDA is present (DataParallel's devices, the
+  # random state checkpointed, pinned batches, a device given by name), then the rest.
+  {
+    stop=$(date -d "+$(left 100000) seconds" +%H:%M:%S)
+    first='test_data_parallel|test_train_loop|test_memory_format|test_recipe|test_relayed_exceptions|test_dcp_format|test_ddp|test_safetensors|test_checkpoint'
+    (cd "$build" && ctest -R "$first" -E test_cuda -j 8 --timeout 300 --stop-time "$stop" --output-on-failure)
+    echo "ctest (programs with CUDA paths) exit $?"
+    (cd "$build" && ctest -E "test_cuda|$first" -j 8 --timeout 300 --stop-time "$stop" --output-on-failure)
+    echo "ctest (the rest) exit $?"
+  } > "$out/suite.log" 2>&1
 fi
 
 if has example; then

@@ -9,9 +9,13 @@
 
 #include "ddp_test_model.hpp"
 
+#include <trainloop/interop/dcp_weights.hpp>
+#include <trainloop/interop/safetensors_weights.hpp>
 #include <trainloop/trainloop.hpp>
 
 #include <cstdlib>
+#include <functional>
+#include <tuple>
 #include <iostream>
 #include <filesystem>
 #include <unistd.h>
@@ -439,5 +443,63 @@ BOOST_AUTO_TEST_CASE(a_sharded_run_on_one_nccl_rank_resumes_its_cuda_checkpoint_
   };
   check(one_nccl_rank().zero(true), "ddp zero (sharding optimizer)");
   check(sharded_on_one_nccl_rank(distributed::Sharding::Full), "fsdp full");
+  std::filesystem::remove_all(root);
+}
+
+namespace {
+/// Every parameter and buffer of `net` on the device it lives on (the loaders copy into the
+/// model's own tensors: a CUDA model stays on CUDA).
+bool all_on(Mlp& net, const torch::Device& device) {
+  for (const auto& t : net->parameters()) if (t.device() != device) return false;
+  for (const auto& t : net->buffers()) if (t.device() != device) return false;
+  return true;
+}
+}  // namespace
+
+// Weight files and a CUDA model (not run on a GPU before 2026-11-30): safetensors (one file and
+// Hugging Face's sharded form) and DCP written from a CPU model load into a model on cuda:0 bit
+// for bit, that model trains a step there, and what it writes from the device reads back on the
+// CPU bit for bit.
+BOOST_AUTO_TEST_CASE(weight_files_load_into_and_are_written_from_a_cuda_model, *boost::unit_test::precondition(cuda_present)) {
+  const torch::Device cuda("cuda:0"), cpu(torch::kCPU);
+  const auto root = std::filesystem::temp_directory_path() / ("trainloop_cuda_weights_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  torch::manual_seed(1);
+  Mlp source(16, true);
+  source->bn->running_mean.uniform_();  // buffers that differ from a fresh model's
+  source->bn->num_batches_tracked.fill_(7);
+  using Save = std::function<void(const Mlp&, const std::filesystem::path&)>;
+  using Load = std::function<void(Mlp&, const std::filesystem::path&)>;
+  const std::vector<std::tuple<std::string, std::string, Save, Load>> formats{
+      {"safetensors", "w.safetensors", [](const Mlp& m, const auto& p) { tl::interop::save_safetensors(*m, p); },
+       [](Mlp& m, const auto& p) { BOOST_TEST(tl::interop::load_safetensors(*m, p).complete()); }},
+      {"sharded safetensors", "hf/", [](const Mlp& m, const auto& p) { tl::interop::save_safetensors(*m, p, {.max_shard_bytes = 512}); },
+       [](Mlp& m, const auto& p) { BOOST_TEST(tl::interop::load_safetensors(*m, p).complete()); }},
+      {"dcp", "dcp", [](const Mlp& m, const auto& p) { tl::interop::save_dcp_weights(*m, p); },
+       [](Mlp& m, const auto& p) { tl::interop::load_dcp_weights(*m, p); }}};
+  for (const auto& [name, file, save, load] : formats) {
+    BOOST_TEST_CONTEXT(name) {
+      save(source, root / ("from_cpu_" + file));
+      torch::manual_seed(2);
+      Mlp on_cuda(16, true);
+      on_cuda->to(cuda);
+      load(on_cuda, root / ("from_cpu_" + file));
+      BOOST_TEST(all_on(on_cuda, cuda));
+      BOOST_TEST(torch::equal(flat_state(*on_cuda).cpu(), flat_state(*source)));
+      // It trains there: one SGD step moves the weights, and the file is written from the device.
+      torch::optim::SGD optimizer(on_cuda->parameters(), torch::optim::SGDOptions(0.1));
+      auto batch = make_data(8, 3).get_batch({0, 1, 2, 3, 4, 5, 6, 7});
+      torch::nn::functional::cross_entropy(on_cuda->forward(batch.data.to(cuda)), batch.target.to(cuda)).backward();
+      optimizer.step();
+      BOOST_TEST(!torch::equal(flat_state(*on_cuda).cpu(), flat_state(*source)));
+      save(on_cuda, root / ("from_cuda_" + file));
+      torch::manual_seed(3);
+      Mlp back_on_cpu(16, true);
+      load(back_on_cpu, root / ("from_cuda_" + file));
+      BOOST_TEST(all_on(back_on_cpu, cpu));
+      BOOST_TEST(torch::equal(flat_state(*back_on_cpu), flat_state(*on_cuda).cpu()));
+    }
+  }
   std::filesystem::remove_all(root);
 }

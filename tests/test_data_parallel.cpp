@@ -291,9 +291,12 @@ TORCH_MODULE(MarkerNet);
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(a_worker_exception_names_its_replica_and_no_thread_is_left) {
-  // libtorch's lazily started threads (this thread's OpenMP team) exist before the baseline.
+  // libtorch's lazily started threads exist before the baseline: this thread's OpenMP team, and
+  // where a GPU is, the CUDA driver's thread that the loop's first look for CUDA starts and keeps
+  // (one thread on an H200, 2026-11-30; without it here the count never came back to the baseline).
   auto warm_up = torch::randn({256, 256});
   warm_up.matmul(warm_up).sum();
+  tl::detail::capture_rng_state();  // what the loop touches of CUDA: is_available() and its generators
   const int baseline_threads = process_thread_count();
   auto clean = blobs(12, 6);
   auto x = clean.inputs().clone();
