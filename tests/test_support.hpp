@@ -81,13 +81,17 @@ inline CommandRun run_command(const std::string& command) {
   return run;
 }
 
-/// Processes running an executable named `name` (none of a job's may outlive it).
+/// Processes started as the program `name` (none of a job's may outlive it), by their argv[0]:
+/// the test workers are links to one binary (test_workers), so /proc/<pid>/exe names that binary
+/// for every one of them, and the ranks a launcher starts run /proc/self/exe (their comm is "exe")
+/// with the launching process's argv[0].
 inline int processes_running(const std::string& name) {
   int count = 0;
   for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    std::error_code ec;
-    const auto exe = std::filesystem::read_symlink(entry.path() / "exe", ec);
-    if (!ec && exe.filename() == name) ++count;
+    std::ifstream cmdline(entry.path() / "cmdline");
+    std::string argv0;
+    if (!std::getline(cmdline, argv0, '\0') || argv0.empty()) continue;
+    if (std::filesystem::path(argv0).filename() == name) ++count;
   }
   return count;
 }

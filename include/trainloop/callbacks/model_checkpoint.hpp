@@ -322,19 +322,11 @@ class ModelCheckpoint : public Callback, public CheckpointSource {
     }
   }
 
-  /// Replaces last.ckpt by a symbolic link to the file `name`, atomically (a new link renamed over it).
+  /// Replaces last.ckpt by a symbolic link to the file `name`, atomically; a failure is said, not thrown.
   void point_last_at(const std::string& name) const {
-    const std::filesystem::path temporary = detail::unique_temporary_path_for(last_path());
-    std::error_code error;
-    std::filesystem::create_symlink(name, temporary, error);
-    if (!error) std::filesystem::rename(temporary, last_path(), error);
-    if (error) {
-      std::error_code ignored;
-      std::filesystem::remove(temporary, ignored);
+    if (const std::error_code error = detail::symlink_atomically(name, last_path())) {
       std::cerr << "trainloop: cannot point " << last_path().string() << " at " << name << ": " << error.message() << '\n';
-      return;
     }
-    detail::sync_directory(directory());
   }
 
   /// Removes `directory()/name` when it is one of this callback's own files (name checked against

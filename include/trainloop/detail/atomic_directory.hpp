@@ -114,6 +114,23 @@ inline void link_or_copy(const std::filesystem::path& from, const std::filesyste
   if (fd >= 0) ::close(fd);
 }
 
+/// Makes `link` a symbolic link to `target` (a name relative to the link's directory), atomically: a new
+/// link under a temporary name renamed over it, then the directory synced. Returns the error, if any
+/// (nothing is left behind then).
+inline std::error_code symlink_atomically(const std::filesystem::path& target, const std::filesystem::path& link) {
+  const std::filesystem::path temporary = unique_temporary_path_for(link);
+  std::error_code error;
+  std::filesystem::create_symlink(target, temporary, error);
+  if (!error) std::filesystem::rename(temporary, link, error);
+  if (error) {
+    std::error_code ignored;
+    std::filesystem::remove(temporary, ignored);
+    return error;
+  }
+  sync_directory(link.parent_path());
+  return {};
+}
+
 /// Makes `link` a second name of `target`, atomically (a hard link under a temporary name, renamed).
 /// A per-rank checkpoint (a directory) gets a directory of hard links to its files, put in place
 /// as a whole (commit_directory).

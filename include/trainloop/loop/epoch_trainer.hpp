@@ -22,6 +22,7 @@
 #include <trainloop/loop/batch_memory_format.hpp>
 #include <trainloop/loop/epoch_batch_plan.hpp>
 #include <trainloop/loop/fit_run.hpp>
+#include <trainloop/loop/last_micro_batch_loss.hpp>
 #include <trainloop/loop/loader_for.hpp>
 #include <trainloop/loop/shard_indices.hpp>
 #include <trainloop/model_contract.hpp>
@@ -41,34 +42,6 @@
 #include <utility>
 
 namespace trainloop::detail {
-
-/// The last micro-batch's loss: its shards' losses weighted by their samples (DataParallel sinks
-/// one output per replica), summed lazily so nothing synchronises unless someone asks.
-class LastMicroBatchLoss {
- public:
-  /// The next output starts a new micro-batch.
-  void start() { fresh_ = true; }
-
-  void add(const StepOutput& out) {
-    const auto weighted = out.loss.detach().to(torch::kFloat64) * static_cast<double>(out.samples);
-    if (fresh_ || !loss_.defined()) {
-      loss_ = weighted;
-      samples_ = out.samples;
-      fresh_ = false;
-    } else {
-      loss_ = loss_ + weighted.to(loss_.device());
-      samples_ += out.samples;
-    }
-  }
-
-  /// The mean loss per sample (a host sync); 0 before the first output.
-  double value() const { return loss_.defined() && samples_ > 0 ? loss_.item<double>() / static_cast<double>(samples_) : 0.0; }
-
- private:
-  torch::Tensor loss_;
-  int64_t samples_ = 0;
-  bool fresh_ = true;
-};
 
 /// Where one pass over (the rest of) an epoch stands; made by begin_pass, lives in run().
 struct EpochPass {

@@ -63,20 +63,22 @@ inline History launch_spawned_fit(const ::trainloop::detail::FitActions& actions
         }
         detail::rethrow_rank_failure(failure);
       }
-      // On several machines the job may go on without every rank this launcher started.
-      if (!lost.empty() && !std::filesystem::exists(run_dir / "trained.ckpt")) {
-        std::string ranks;
-        for (const int rank : lost) ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank);
-        throw Error(::trainloop::detail::concat(
-            "trainloop: every rank this launcher started was lost (", ranks, ") and no replacement of theirs was in the "
-            "job when the fit ended: the job went on without them on the other machines, and this machine holds no "
-            "trained state; expected a rank of this machine at the fit's end (max_replacements, docs/elastic.md)"));
-      }
-      if (options.joins_running_fit() && !std::filesystem::exists(run_dir / "trained.ckpt")) {
-        throw Error(::trainloop::detail::concat(
-            "trainloop: this machine's ranks started as replacements in the job's running fit, and none was admitted "
-            "before the fit ended (it needed no replacement, or its last steps passed while they started): this machine "
-            "holds no trained state; expected a rank of this machine in the job at the fit's end (docs/elastic.md)"));
+      // On several machines the job may go on without every rank this launcher started, or without a
+      // spare machine's replacements that were never admitted: this machine then has nothing to return.
+      if ((!lost.empty() || options.joins_running_fit()) && !std::filesystem::exists(run_dir / "trained.ckpt")) {
+        std::string why;
+        if (!lost.empty()) {
+          std::string ranks;
+          for (const int rank : lost) ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank);
+          why = ::trainloop::detail::concat("every rank this launcher started was lost (", ranks, ") and no replacement of "
+                                            "theirs was in the job when the fit ended: the job went on without them on the "
+                                            "other machines");
+        } else {
+          why = "this machine's ranks started as replacements in the job's running fit, and none was admitted before the "
+                "fit ended (it needed no replacement, or its last steps passed while they started)";
+        }
+        throw Error(::trainloop::detail::concat("trainloop: ", why, "; this machine holds no trained state; expected a rank "
+                                                "of this machine in the job at the fit's end (max_replacements, docs/elastic.md)"));
       }
       History history = actions.load(run_dir / "trained.ckpt");
       // Kept for the ranks of later calls, which pass this one (see the file comment).
