@@ -72,6 +72,9 @@ int main(int argc, char** argv) {
   app.add_flag("--elastic", elastic, "ddp: when a rank other than 0 dies (killed, crashed), the others regroup and "
                "go on from the newest step one of them committed, without a restart (docs/elastic.md)");
   int max_replacements = 1;
+  std::string backend = "auto";
+  app.add_option("--backend", backend, "ddp, fsdp: the collectives' library: auto (NCCL on CUDA, Gloo on the CPU), gloo "
+                 "or nccl (--elastic on CUDA needs gloo)");
   app.add_option("--max-replacements", max_replacements, "with --elastic: how many times a lost rank's place gets a "
                  "replacement process, which joins the running job at a step boundary (0: the others go on alone)")
       ->check(CLI::NonNegativeNumber);
@@ -126,7 +129,8 @@ int main(int argc, char** argv) {
         trainloop::mode_from_flags(trainloop::ModeFlags{.gpu_mode = gpu_mode, .device = device, .procs = procs,
                                                         .replicas = replicas, .comm_hook = comm_hook, .zero = zero,
                                                         .sharding = sharding, .elastic = elastic,
-                                                        .max_replacements = max_replacements, .extra = {}});
+                                                        .max_replacements = max_replacements, .extra = {},
+                                                        .backend = backend});
     if (resume && checkpoint_dir.empty()) {
       std::cerr << "--resume needs --checkpoint-dir DIR (the directory to resume from)\n";
       return 2;

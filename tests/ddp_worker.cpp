@@ -232,6 +232,8 @@ int main(int argc, char** argv) {
                     .timeout(std::chrono::seconds(20))
                     .first_bucket_cap_bytes(256)  // several buckets even for a small model
                     .bucket_cap_bytes(1024);
+    // TL_TEST_ELASTIC=1: a lost rank's survivors go on (test_elastic; TRAINLOOP_TEST_KILL_AT kills one).
+    mode.elastic(env_number("TL_TEST_ELASTIC", 0) != 0);
     tl::gpu_mode::Any chosen;  // the mode the main loop trains with: `mode`, unless TL_TEST_SHARDING asks for fsdp
     auto options = tl::TrainLoopOptions().batch_size(4).shuffle(false).metrics({std::make_shared<tl::Accuracy>()});
     // Multi-node runs (test_multinode) say where this "machine" sits; `world` is then per node.
@@ -272,8 +274,6 @@ int main(int argc, char** argv) {
       mode.max_restarts(static_cast<int>(env_number("TL_TEST_MAX_RESTARTS", 0)));
       resume = std::getenv("TL_TEST_RESUME") ? std::getenv("TL_TEST_RESUME") : "";
       mode.zero(env_number("TL_TEST_ZERO", 0) != 0);
-      // TL_TEST_ELASTIC=1: a lost rank's survivors go on (test_elastic; TRAINLOOP_TEST_KILL_AT kills one).
-      mode.elastic(env_number("TL_TEST_ELASTIC", 0) != 0);
       // TL_TEST_ELASTIC_WAIT_MS: how long a rank that may be gone is waited for (a replacement's rendezvous).
       if (const int64_t wait = env_number("TL_TEST_ELASTIC_WAIT_MS", 0)) mode.elastic_wait(std::chrono::milliseconds(wait));
       // TL_TEST_REPLACEMENTS=n: the launcher starts replacements of a lost rank (0 here unless asked:

@@ -165,6 +165,7 @@ BOOST_AUTO_TEST_CASE(three_ranks_lose_one_in_its_forward_and_end_as_two_would_fr
   // step 3 moved are put back as step 2 committed them.
   lost_rank_equals_deliberate_change("forward", 3, "2:3:forward", "", "TL_TEST_NORM=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(three_ranks_lose_one_inside_a_gradient_all_reduce_and_redo_the_step) {
@@ -214,6 +215,7 @@ BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_in_its_forward_and_en
   // The survivors' hand-off, kept for two commits, is removed by rank 0, not left to the launcher.
   BOOST_TEST(output.find("elastic hand-off file") == std::string::npos, output);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(three_ranks_with_zero1_lose_one_inside_a_gradient_all_reduce_inside_an_epoch) {
@@ -229,17 +231,20 @@ BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_inside_the_exchange_o
   // the survivors go on from step 4's or step 3's copies, whichever every one of them holds.
   lost_rank_equals_deliberate_change("full_share_copy", 3, "2:5:share-copy", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(a_replacement_joins_and_the_job_ends_as_deliberate_world_size_changes_would) {
   // With a BatchNorm layer: the members keep their model in memory, the replacement reads rank 0's whole state.
   replacement_equals_deliberate_changes("replicated", "TL_TEST_NORM=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(a_replacement_joins_a_job_at_sharding_full_from_the_members_copies) {
   replacement_equals_deliberate_changes("full", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(a_replacement_the_fit_does_not_admit_ends_with_the_job) {
@@ -256,6 +261,7 @@ BOOST_AUTO_TEST_CASE(a_replacement_the_fit_does_not_admit_ends_with_the_job) {
   BOOST_TEST(run.result["epoch2_samples"] == kSamples);
   BOOST_TEST(leftover_workers() == 0);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(run.dir);
   fs::remove_all(dir);
 }
@@ -300,6 +306,7 @@ BOOST_AUTO_TEST_CASE(a_replacement_that_dies_too_is_lost_as_any_rank_and_the_use
   for (int epoch = 1; epoch <= kEpochs; ++epoch) BOOST_TEST(run.result["epoch" + std::to_string(epoch) + "_samples"] == kSamples);
   BOOST_TEST(leftover_workers() == 0);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(run.dir);
 }
 
@@ -315,6 +322,7 @@ BOOST_AUTO_TEST_CASE(with_two_replacements_a_place_lost_twice_gets_a_second_one)
   for (int epoch = 1; epoch <= kEpochs; ++epoch) BOOST_TEST(run.result["epoch" + std::to_string(epoch) + "_samples"] == kSamples);
   BOOST_TEST(leftover_workers() == 0);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(run.dir);
 }
 
@@ -328,6 +336,7 @@ BOOST_AUTO_TEST_CASE(a_replacement_lost_before_the_grown_group_forms_leaves_the_
                                      {"started a replacement for rank 2", "admitted at step 6 was lost before the grown group formed",
                                       "rank 2 was lost again and its 1 replacement is used up"});
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(a_second_loss_before_the_next_commit_resumes_from_the_same_step) {
@@ -342,6 +351,7 @@ BOOST_AUTO_TEST_CASE(a_second_loss_before_the_next_commit_resumes_from_the_same_
                                      "TL_TEST_NORM=1 OMP_NUM_THREADS=1 ",
                                      {"rank 1 (pid", "continuing with 1 rank (regrouped"}, 1);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(a_second_loss_before_the_copies_of_a_new_step_resumes_a_sharded_job_from_the_kept_hand_off) {
@@ -357,6 +367,7 @@ BOOST_AUTO_TEST_CASE(a_second_loss_before_the_copies_of_a_new_step_resumes_a_sha
   // Rank 0 removed the kept hand-off itself (the launcher says when it has to remove what ranks left).
   BOOST_TEST(output.find("elastic hand-off file") == std::string::npos, output);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
 }
 
 BOOST_AUTO_TEST_CASE(two_neighbours_lost_at_once_end_a_sharded_job_named) {
@@ -371,8 +382,28 @@ BOOST_AUTO_TEST_CASE(two_neighbours_lost_at_once_end_a_sharded_job_named) {
   BOOST_TEST(run.output.find("kept the only copy of its shards") != std::string::npos, run.output);
   BOOST_TEST(leftover_workers() == 0);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(run.dir);
   fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_rank_lost_before_the_group_forms_ends_the_elastic_job_at_once_named) {
+  // Rank 1's program fails before fit() (it never joins the group): elastic training goes on only
+  // from a formed group, so the job ends as without it — rank 1 and its error named, at once, no
+  // replacement started. Before, the launcher let the others go on, and rank 0 waited for rank 1 in
+  // the group's rendezvous until the timeout (20 s in ddp_worker; 10 minutes by default), then failed
+  // naming its own timeout (seen on a GPU machine: a rank given a device it does not have).
+  auto run = run_worker("throw_before_fit", 2, 0, "TL_TEST_ELASTIC=1");
+  BOOST_TEST_MESSAGE(run.output);
+  BOOST_TEST(run.exit_code == 3);
+  BOOST_TEST(run.seconds < 15.0);
+  BOOST_TEST(run.output.find("rank 1 failed: rank 1 could not open its shard of the data") != std::string::npos, run.output);
+  BOOST_TEST(run.output.find("was lost before the job's group formed; elastic training goes on only from a formed group") !=
+             std::string::npos, run.output);
+  BOOST_TEST(run.output.find("started a replacement") == std::string::npos, run.output);
+  BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
+  fs::remove_all(run.dir);
 }
 
 BOOST_AUTO_TEST_CASE(losing_rank_zero_ends_the_job_named_and_leaves_nothing) {
@@ -387,6 +418,7 @@ BOOST_AUTO_TEST_CASE(losing_rank_zero_ends_the_job_named_and_leaves_nothing) {
   BOOST_TEST(run.output.find("RANK_FAILED rank=0") != std::string::npos, run.output);
   BOOST_TEST(leftover_workers() == 0);
   BOOST_TEST(hand_off_files_left() == 0);
+  BOOST_TEST(leftover_workers() == 0);
   fs::remove_all(run.dir);
   fs::remove_all(dir);
 }
@@ -479,6 +511,7 @@ void expect_same_end_on_both_machines(const std::string& name, const TwoMachineR
     BOOST_TEST(torch::equal(ended, changed), name << ": node " << node << "'s parameters differ from the deliberate change");
     BOOST_TEST(elastic.left[node] == 0, name << ": node " << node << " left " << elastic.left[node] << " hand-off files");
   }
+  BOOST_TEST(leftover_workers() == 0, name << ": a rank's process outlived its machine's job");  // both machines' (one process namespace)
   for (int epoch = 1; epoch <= kEpochs; ++epoch) {
     const std::string key = "epoch" + std::to_string(epoch);
     BOOST_TEST(elastic.result.at(key + "_samples") == kSamples, name << " " << key);

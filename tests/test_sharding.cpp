@@ -137,6 +137,36 @@ BOOST_AUTO_TEST_CASE(sharding_units_are_the_named_submodules_and_bad_names_and_l
 
 // Under torchrun a loop's ranks live on after a fit, holding the layout of the sharded parameters:
 // a model whose parameters changed since is refused by name on every rank.
+// `--backend` chooses the collectives' library of ddp and fsdp; a name it does not know, and elastic
+// training over NCCL (whose lost peer's communicator is not aborted and re-created yet), are named.
+BOOST_AUTO_TEST_CASE(the_backend_flag_sets_the_library_and_elastic_training_is_refused_over_nccl) {
+  auto error_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const tl::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  tl::ModeFlags flags;
+  flags.gpu_mode = "ddp";
+  BOOST_TEST((std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).backend() ==
+              tl::distributed::Backend::Auto));
+  flags.backend = "gloo";
+  flags.gpu_mode = "fsdp";
+  BOOST_TEST((std::get<tl::gpu_mode::FullyShardedDataParallel>(tl::mode_from_flags(flags).get()).backend() ==
+              tl::distributed::Backend::Gloo));
+  flags.backend = "mpi";
+  BOOST_TEST(error_of([&] { tl::mode_from_flags(flags); }) == "trainloop: backend is 'mpi'; expected auto, gloo or nccl");
+  const std::string refused = error_of([] {
+    tl::gpu_mode::DistributedDataParallel().device_type(torch::kCPU).backend(tl::distributed::Backend::Nccl).elastic(true).validate();
+  });
+  BOOST_TEST(refused.rfind("trainloop: elastic training with backend nccl on the CPU; expected backend gloo (", 0) == 0, refused);
+  BOOST_TEST(error_of([] {
+               tl::gpu_mode::DistributedDataParallel().device_type(torch::kCPU).backend(tl::distributed::Backend::Gloo).elastic(true).validate();
+             }) == "no error");
+}
+
 BOOST_AUTO_TEST_CASE(a_sharded_model_whose_parameters_change_between_fits_is_refused_naming_the_parameter) {
   const fs::path dir = fresh_dir("sharded_model_changes");
   const int port = tl::distributed::find_free_port();

@@ -5,7 +5,8 @@
 /// `--comm-hook` (how DDP's gradients travel), `--zero` (DDP's optimizer state sharded),
 /// `--sharding none|optimizer|gradients|full` (what each rank keeps 1/W of;
 /// distributed/zero/sharding.hpp: gradients and full are FullyShardedDataParallel, also when
-/// spelled `--gpu-mode ddp --sharding full`), `--elastic` (a lost rank's survivors go on: ddp).
+/// spelled `--gpu-mode ddp --sharding full`), `--elastic` (a lost rank's survivors go on: ddp),
+/// `--backend auto|gloo|nccl` (the collectives' library of ddp and fsdp).
 ///
 /// @code
 /// trainloop::ModeFlags flags;            // filled by your command-line parser (CLI11, ...)
@@ -42,6 +43,10 @@ struct ModeFlags {
   bool elastic = false;             ///< ddp, fsdp: survive a lost rank in place (gpu_mode::MultiProcess::elastic)
   int max_replacements = 1;         ///< elastic: replacements started per lost rank's place (MultiProcess::max_replacements)
   std::map<std::string, std::string> extra = {};  ///< a user's mode's own flags, by name (read by its apply_mode_flags)
+  /// ddp, fsdp: the collectives' library, "auto" (NCCL on CUDA, Gloo on the CPU), "gloo" or "nccl"
+  /// (MultiProcess::backend; elastic training on CUDA devices needs "gloo"). Last, so that positional
+  /// initialisers written before it still compile.
+  std::string backend = "auto";
 };
 
 namespace gpu_mode {
@@ -66,7 +71,7 @@ inline void apply_mode_flags(DataParallel& mode, const ModeFlags& flags) {
 template <class Mode>
 void apply_process_flags(MultiProcess<Mode>& mode, const ModeFlags& flags) {
   mode.device_type(device_of_flags(flags).type()).procs_per_node(flags.procs).elastic(flags.elastic)
-      .max_replacements(flags.max_replacements);
+      .max_replacements(flags.max_replacements).backend(distributed::backend_named(flags.backend));
 }
 /// @brief gpu_mode::DistributedDataParallel: processes, comm hook, ZeRO-1.
 inline void apply_mode_flags(DistributedDataParallel& mode, const ModeFlags& flags) {

@@ -129,8 +129,9 @@ class MultiProcess {
                                   (backend_ == distributed::Backend::Auto && resolved_device_type() != torch::kCUDA)),
                     "elastic training with backend ", distributed::to_string(backend_), " on ",
                     resolved_device_type() == torch::kCUDA ? "CUDA" : "the CPU",
-                    "; expected backend gloo: a lost rank's NCCL communicator is not aborted and re-created in this "
-                    "release");
+                    "; expected backend gloo (`backend(distributed::Backend::Gloo)`, `--backend gloo`; on CUDA its "
+                    "collectives go through host memory): a lost rank's NCCL communicator is not aborted and re-created "
+                    "in this release");
     TRAINLOOP_CHECK(max_replacements_ >= 0, "max_replacements is ", max_replacements_, "; expected 0 or more");
     TRAINLOOP_CHECK(elastic_wait_.count() > 0, "elastic_wait is ", elastic_wait_.count(), " ms; expected a positive time");
     TRAINLOOP_CHECK(resolved_procs_per_node() >= 1, "no CUDA device is visible, so no rank can be started; "

@@ -25,6 +25,7 @@
 #include <trainloop/distributed/comm/model_sync.hpp>
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rank_session.hpp>
+#include <trainloop/distributed/job/group_formed.hpp>
 #include <trainloop/distributed/elastic/admission.hpp>
 #include <trainloop/distributed/elastic/elastic_fit.hpp>
 #include <trainloop/distributed/elastic/replacement_join.hpp>
@@ -119,7 +120,10 @@ class RankEngine {
     group_ = &distributed::session_process_group(options);
     // Every launcher's ranks pass here: spawned, torchrun, srun, mpirun.
     distributed::start_stall_watchdog(distributed::detail::session_group().options, *env_, mode_.stall_watch());
-    if (mode_.elastic()) distributed::elastic::make_job_group_elastic(*group_);
+    if (mode_.elastic()) {
+      distributed::elastic::make_job_group_elastic(*group_);
+      distributed::mark_group_formed(*env_);  // from now on a lost rank is survived (launcher.hpp)
+    }
     if (!spawned()) {
       distributed::broadcast_module_state(*module_, *group_);  // checks every rank holds the same shapes first
       synced_since_join_ = true;

@@ -40,6 +40,15 @@ inline const char* to_string(Backend backend) {
   }
 }
 
+/// The backend named "auto", "gloo" or "nccl" (`--backend`).
+/// @throws trainloop::ConfigurationError naming any other name.
+inline Backend backend_named(const std::string& name) {
+  if (name == "auto") return Backend::Auto;
+  if (name == "gloo") return Backend::Gloo;
+  if (name == "nccl") return Backend::Nccl;
+  throw ConfigurationError("trainloop: backend is '" + name + "'; expected auto, gloo or nccl");
+}
+
 /// How to build a process group: who we are, where rank 0's store listens, which backend.
 /// An aggregate, so `ProcessGroupOptions{.rank = 1, .world_size = 2, .master_port = p}` works.
 struct ProcessGroupOptions {

@@ -31,6 +31,7 @@
 ///   to its default meanwhile if the program ignored it (posix_process.hpp).
 
 #include <trainloop/cpu/threads.hpp>
+#include <trainloop/distributed/job/group_formed.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
 #include <trainloop/distributed/launch/failure_report.hpp>
 #include <trainloop/distributed/launch/free_port.hpp>
@@ -274,8 +275,14 @@ inline const std::vector<RankProcess>& Launcher::launch() {
     bool any_running = false;
     for (auto& process : ranks_) {
       if (reap(process, false) && !process.succeeded() && !process.stopped_by_launcher && !process.lost) {
-        // Elastic training: the others regroup without it (distributed/elastic/) and name it.
-        process.lost = options_.elastic() && process.rank != 0;  // rank 0 holds the store
+        // Elastic training: the others regroup without it (distributed/elastic/) and name it — once
+        // the job's group formed (before, they wait for it in the rendezvous: job/group_formed.hpp).
+        const bool survivable = process.replacement > 0 || std::filesystem::exists(group_formed_mark(run_dir_));
+        process.lost = options_.elastic() && process.rank != 0 && survivable;  // rank 0 holds the store
+        if (options_.elastic() && process.rank != 0 && !survivable) {
+          std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") was lost before the job's group "
+                    << "formed; elastic training goes on only from a formed group, so the job ends\n";
+        }
         if (!process.lost) failed.push_back(&process);
         if (process.lost) {
           std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") " << process.describe()
