@@ -227,8 +227,9 @@ BOOST_AUTO_TEST_CASE(two_ranks_at_sharding_gradients_lose_one_after_its_commit_a
 }
 
 BOOST_AUTO_TEST_CASE(three_ranks_at_sharding_full_lose_one_inside_the_exchange_of_the_copies) {
-  // Rank 2 dies between the two passes of step 5's copies: its keeper never gets them whole, so
-  // the survivors go on from step 4's or step 3's copies, whichever every one of them holds.
+  // Rank 2 dies with its copies of step 5 taken, before it sealed them in their file or told its
+  // keeper: the keeper never gets them whole, so the survivors go on from step 4's or step 3's
+  // copies, whichever every one of them holds.
   lost_rank_equals_deliberate_change("full_share_copy", 3, "2:5:share-copy", "", "TL_TEST_SHARDING=full TL_TEST_ELASTIC=1 ");
   BOOST_TEST(hand_off_files_left() == 0);
   BOOST_TEST(leftover_workers() == 0);

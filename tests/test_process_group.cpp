@@ -8,6 +8,7 @@
 #include <trainloop/distributed/comm/process_group.hpp>
 #include <trainloop/distributed/comm/rendezvous.hpp>
 #include <trainloop/distributed/elastic/box_descriptor.hpp>
+#include <trainloop/distributed/elastic/shared_copy_file.hpp>
 #include <trainloop/distributed/launch/free_port.hpp>
 
 #include <arpa/inet.h>
@@ -19,7 +20,10 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -153,7 +157,84 @@ BOOST_AUTO_TEST_CASE(pass_to_left_hands_each_rank_the_bytes_of_the_rank_after_it
       torch::Tensor replaced = distributed::pass_to_left(group, bytes_of(group.rank()), torch::empty({3}, torch::kUInt8));
       RANK_TEST(torch::equal(replaced, bytes_of(right)));
     });
+    // Rank 1 sends nothing (its copy is in a file): its left neighbour gets an empty tensor, the
+    // others their bytes. A fresh group, and one pass: thread-ranks of one process time out in
+    // the all-gather of a pass that follows three passes, or one like this, in the same group
+    // (Gloo's connections within one process); ranks that are processes, as trainloop runs them,
+    // go on (test_elastic's two-machine cases pass blocks across machines and name files within
+    // one at every step).
+    run_ranks(world, [world](distributed::ProcessGroup& group) {
+      auto bytes_of = [](int rank) { return torch::full({100 + rank}, rank + 1, torch::kUInt8); };
+      const int right = (group.rank() + 1) % world;
+      const torch::Tensor mine = group.rank() == 1 ? torch::empty({0}, torch::kUInt8) : bytes_of(group.rank());
+      torch::Tensor partly = distributed::pass_to_left(group, mine);
+      const bool as_expected = right == 1 ? partly.numel() == 0 : torch::equal(partly, bytes_of(right));
+      RANK_TEST(as_expected);
+    });
   }
+}
+
+BOOST_AUTO_TEST_CASE(a_copy_in_a_shared_memory_file_outlives_its_writer_and_only_a_sealed_step_is_read) {
+  // Elastic training's copies for a keeper on the same machine (distributed/elastic/shared_copy_file.hpp).
+  namespace elastic = trainloop::distributed::elastic;
+  const std::filesystem::path path = "/dev/shm/trainloop-elastic-test-" + std::to_string(::getpid()) + "-copy";
+  trainloop::detail::ShareCapture capture;
+  auto file = std::make_unique<elastic::SharedCopyFile>();
+  const torch::Tensor weight = torch::arange(12, torch::kFloat32).view({3, 4});
+  std::vector<trainloop::TensorShare> shares{{"model.w", {3, 4}, 0, weight.reshape({-1})}};
+  capture.plan(shares, {}, {}, /*one_block=*/true, [&](int64_t bytes) { return file->block(path, bytes); });
+  BOOST_REQUIRE(file->holds(capture.block()));
+  const std::atomic<bool> never{false};
+  BOOST_TEST(capture.copy(never));
+  const torch::Tensor descriptor = elastic::detail::encode_boxes(capture.boxes());
+  // Not sealed yet: a writer killed while copying names no step.
+  BOOST_CHECK_THROW(elastic::read_shared_copy(path, 3), trainloop::CommunicationError);
+  BOOST_REQUIRE(file->seal(descriptor, 3));
+  auto read_back = [&](int64_t step) {
+    const auto [read_descriptor, block] = elastic::read_shared_copy(path, step);
+    return elastic::detail::decode_boxes(read_descriptor, block);
+  };
+  BOOST_TEST(torch::equal(read_back(3).at(0).buffer, weight));
+  try {
+    (void)read_back(4);
+    BOOST_TEST(false);
+  } catch (const trainloop::CommunicationError& error) {
+    BOOST_TEST(std::string(error.what()).find("holds step 3") != std::string::npos, error.what());
+  }
+  // The next step: unsealed while copied again, sealed with the new step.
+  file->unseal();
+  BOOST_CHECK_THROW(elastic::read_shared_copy(path, 3), trainloop::CommunicationError);
+  weight.mul_(2);
+  capture.plan(shares, {}, {}, /*one_block=*/true, [&](int64_t bytes) { return file->block(path, bytes); });
+  BOOST_TEST(capture.copy(never));
+  BOOST_REQUIRE(file->seal(descriptor, 4));
+  // Its writer gone (the object and the mapping it returned): the file and what it holds stay.
+  const torch::Tensor expected = weight.clone();
+  elastic::SharedCopyFile moved = std::move(*file);
+  file.reset();
+  BOOST_TEST(std::filesystem::exists(path));
+  BOOST_TEST(torch::equal(read_back(4).at(0).buffer, expected));
+  // Every truncation and garbled trailer: an error naming the file, never a crash.
+  const auto size = static_cast<int64_t>(std::filesystem::file_size(path));
+  const std::filesystem::path broken = path.string() + "-broken";
+  for (int64_t length = 0; length < size; length += 7) {
+    std::filesystem::copy_file(path, broken, std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::resize_file(broken, static_cast<std::uintmax_t>(length));
+    BOOST_CHECK_THROW(elastic::read_shared_copy(broken, 4), trainloop::CommunicationError);
+  }
+  for (int64_t at = size - 32; at < size; at += 8) {
+    std::filesystem::copy_file(path, broken, std::filesystem::copy_options::overwrite_existing);
+    std::fstream garble(broken, std::ios::in | std::ios::out | std::ios::binary);
+    garble.seekp(at);
+    const int64_t nonsense = -5;
+    garble.write(reinterpret_cast<const char*>(&nonsense), 8);
+    garble.close();
+    BOOST_CHECK_THROW(elastic::read_shared_copy(broken, 4), trainloop::CommunicationError);
+  }
+  std::filesystem::remove(broken);
+  moved.remove();
+  BOOST_TEST(!std::filesystem::exists(path));
+  BOOST_CHECK_THROW(elastic::read_shared_copy(path, 4), trainloop::CommunicationError);
 }
 
 BOOST_AUTO_TEST_CASE(a_copied_blocks_descriptor_round_trips_and_a_malformed_one_is_a_clear_error) {

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,10 +47,13 @@ class ShareCapture {
   /// Cuts `shares` and the tensors written `whole` (rank 0: what no rank shards; `volatile_whole`
   /// are copied now, the model's buffers) into boxes with their buffers. Training thread.
   /// `one_block`: every buffer is a row-major view into one byte block (block()), which travels
-  /// to another rank as one message (elastic training's neighbour copies).
+  /// to another rank as one message (elastic training's neighbour copies). `block_for(bytes)`,
+  /// when given, makes that block of CPU sources (a file's mapping that outlives the process:
+  /// elastic/shared_copy_file.hpp); an undefined tensor from it leaves the block in ordinary memory.
   void plan(const std::vector<TensorShare>& shares, const std::vector<std::pair<std::string, torch::Tensor>>& whole,
-            const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole, bool one_block = false) {
-    if (one_block) return plan_in_one_block(shares, whole, volatile_whole);
+            const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole, bool one_block = false,
+            const std::function<torch::Tensor(int64_t)>& block_for = {}) {
+    if (one_block) return plan_in_one_block(shares, whole, volatile_whole, block_for);
     std::vector<torch::Tensor> spare;
     for (CapturedBox& box : boxes_) spare.push_back(std::move(box.buffer));
     const std::vector<bool> spare_pinned = std::move(pinned_);
@@ -97,7 +101,8 @@ class ShareCapture {
   /// plan() with every buffer carved out of one block (reused when the total size is the same),
   /// each box 64-byte aligned.
   void plan_in_one_block(const std::vector<TensorShare>& shares, const std::vector<std::pair<std::string, torch::Tensor>>& whole,
-                         const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole) {
+                         const std::vector<std::pair<std::string, torch::Tensor>>& volatile_whole,
+                         const std::function<torch::Tensor(int64_t)>& block_for) {
     pinned_.clear();
     cut_boxes(shares, whole, volatile_whole);
     std::vector<int64_t> at;
@@ -109,7 +114,9 @@ class ShareCapture {
       pinned = pinned || !box.source.device().is_cpu();
     }
     if (!block_.defined() || block_.numel() != total || block_.is_pinned() != pinned) {
-      block_ = torch::empty({total}, torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(pinned));
+      // Page-locked memory for a device's sources comes from the accelerator's allocator only.
+      block_ = block_for && !pinned ? block_for(total) : torch::Tensor();
+      if (!block_.defined()) block_ = torch::empty({total}, torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(pinned));
     }
     for (size_t i = 0; i < boxes_.size(); ++i) {
       CapturedBox& box = boxes_[i];

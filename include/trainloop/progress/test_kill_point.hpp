@@ -13,8 +13,8 @@
 /// epoch whose last step is that one), `background-write` (the writer thread of the checkpoint
 /// written behind training at the end of that step, once its file is written and before it tells
 /// rank 0 or, on rank 0, commits: checkpoint/background_write.hpp), `share-copy` (elastic training of sharded
-/// state: inside the exchange of the step's copies with the neighbours, at the start of that step:
-/// distributed/elastic/share_copies.hpp), `join` (a replacement admitted to join at that step,
+/// state: its copies of that step taken, at the step's start, before it seals them or tells its
+/// keeper where they are: distributed/elastic/share_copies.hpp), `join` (a replacement admitted to join at that step,
 /// before it joins the grown group: distributed/elastic/replacement_join.hpp), `hand-off` (the same
 /// replacement once in the grown group, before the state is handed to it: admit_into_fit.hpp). Only the
 /// process whose rank matches dies; several

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -21,7 +22,7 @@ namespace trainloop::distributed {
 /// Every rank of `group` sends `mine` (1-D uint8 on the CPU, any length) to the rank before it
 /// (rank r to r-1, rank 0 to the last) and returns what the rank after it sent — in `reuse` when it
 /// has that length (no allocation step after step), else in a new tensor. The lengths travel first (an
-/// all-gather of one number per rank). Elastic training's neighbour copies of sharded state
+/// all-gather of one number per rank); an empty message is not sent. Elastic training's neighbour copies of sharded state
 /// (distributed/elastic/share_copies.hpp): (W-1)/W less on the wire than an all-gather would.
 inline torch::Tensor pass_to_left(ProcessGroup& group, const torch::Tensor& mine, torch::Tensor reuse = torch::Tensor()) {
   torch::NoGradGuard no_grad;
@@ -46,11 +47,17 @@ inline torch::Tensor pass_to_left(ProcessGroup& group, const torch::Tensor& mine
   std::vector<torch::Tensor> in{theirs};
   constexpr int kTag = 0x7e1a;  // this exchange's messages only
   // Logged as one call without a size: the ranks' lengths differ by design.
-  const std::uint64_t seq = issuer.log_call(progress::CollectiveKind::PassToLeft, torch::Tensor());
-  WorkHandle sent = issuer.launched(seq, "pass_to_left", [&] { return issuer.native_checked()->send(out, left, kTag); });
-  WorkHandle received = issuer.launched(0, "pass_to_left", [&] { return issuer.native_checked()->recv(in, right, kTag); });
-  issuer.wait_point_to_point(received, "pass_to_left");
-  issuer.wait_point_to_point(sent, "pass_to_left");
+  std::uint64_t seq = issuer.log_call(progress::CollectiveKind::PassToLeft, torch::Tensor());
+  // Empty messages do not travel: both ends know the length (a copy kept in a file sends none).
+  std::optional<WorkHandle> sent, received;
+  if (mine.numel() > 0) {
+    sent = issuer.launched(std::exchange(seq, 0), "pass_to_left", [&] { return issuer.native_checked()->send(out, left, kTag); });
+  }
+  if (incoming > 0) {
+    received = issuer.launched(seq, "pass_to_left", [&] { return issuer.native_checked()->recv(in, right, kTag); });
+  }
+  if (received) issuer.wait_point_to_point(*received, "pass_to_left");
+  if (sent) issuer.wait_point_to_point(*sent, "pass_to_left");
   return theirs;
 }
 

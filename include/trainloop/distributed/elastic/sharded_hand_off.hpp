@@ -81,7 +81,8 @@ inline MachineDirectory write_sharded_hand_off(ProcessGroup& group, const ShareC
       add_part(old_rank, slot->own.boxes());
       for (const LostRank& lost : m.lost) {
         if ((lost.rank + old_world - 1) % old_world == old_rank) {
-          add_part(lost.rank, detail::decode_boxes(slot->neighbour_boxes, slot->neighbour_block));
+          add_part(lost.rank, ShareCopies::neighbour_boxes(*slot));
+          copies.remove_neighbour_files();  // its shares are in the hand-off now; nobody else knows the files
         }
       }
     } catch (...) {

@@ -277,14 +277,16 @@ inline const std::vector<RankProcess>& Launcher::launch() {
       if (reap(process, false) && !process.succeeded() && !process.stopped_by_launcher && !process.lost) {
         // Elastic training: the others regroup without it (distributed/elastic/) and name it — once
         // the job's group formed (before, they wait for it in the rendezvous: job/group_formed.hpp).
-        const bool survivable = process.replacement > 0 || std::filesystem::exists(group_formed_mark(run_dir_));
-        process.lost = options_.elastic() && process.rank != 0 && survivable;  // rank 0 holds the store
-        if (options_.elastic() && process.rank != 0 && !survivable) {
+        const bool may_be_lost = options_.elastic() && process.rank != 0;  // rank 0 holds the store
+        const bool group_formed = process.replacement > 0 || std::filesystem::exists(group_formed_mark(run_dir_));
+        process.lost = may_be_lost && group_formed;
+        if (may_be_lost && !group_formed) {
           std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") was lost before the job's group "
                     << "formed; elastic training goes on only from a formed group, so the job ends\n";
         }
-        if (!process.lost) failed.push_back(&process);
-        if (process.lost) {
+        if (!process.lost) {
+          failed.push_back(&process);
+        } else {
           std::cerr << "trainloop: rank " << process.rank << " (pid " << process.pid << ") " << process.describe()
                     << "; elastic training: the others go on without it\n";
           lost_ranks.push_back(process.rank);
