@@ -167,6 +167,29 @@ BOOST_AUTO_TEST_CASE(the_backend_flag_sets_the_library_and_elastic_training_is_r
              }) == "no error");
 }
 
+// More ranks on CUDA than the machine has devices: refused in the launching process, before any
+// rank starts (this machine's count, whatever it is: none here, one or more on a GPU machine).
+BOOST_AUTO_TEST_CASE(more_ranks_on_cuda_than_the_machine_has_devices_are_refused_before_any_starts) {
+  auto error_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const tl::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const int devices = static_cast<int>(trainloop::detail::cuda_device_count());
+  const std::string too_many = error_of([devices] {
+    tl::gpu_mode::DistributedDataParallel().device_type(torch::kCUDA).procs_per_node(devices + 1).validate();
+  });
+  BOOST_TEST(too_many.find("procs_per_node is " + std::to_string(devices + 1) + " on CUDA, but this machine has " +
+                           std::to_string(devices) + " visible CUDA device") != std::string::npos, too_many);
+  BOOST_TEST(error_of([devices] {  // several ranks on one device, named: allowed (elastic over Gloo, tests)
+               tl::gpu_mode::DistributedDataParallel().device_type(torch::kCUDA).procs_per_node(devices + 1).gpus(
+                   std::vector<int>(static_cast<size_t>(devices + 1), 0)).validate();
+             }) == "no error");
+}
+
 BOOST_AUTO_TEST_CASE(a_sharded_model_whose_parameters_change_between_fits_is_refused_naming_the_parameter) {
   const fs::path dir = fresh_dir("sharded_model_changes");
   const int port = tl::distributed::find_free_port();

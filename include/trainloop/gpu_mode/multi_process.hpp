@@ -125,6 +125,13 @@ class MultiProcess {
     if (!gpus_.empty() && procs_per_node_ > 0)
       TRAINLOOP_CHECK(static_cast<int>(gpus_.size()) == procs_per_node_, "gpus lists ", gpus_.size(),
                       " devices but procs_per_node is ", procs_per_node_, "; expected one GPU per process");
+    // Checked here, in the launching process, before any rank starts: otherwise only the ranks
+    // past the last device fail ("device cuda:1 does not exist"), after the others began.
+    TRAINLOOP_CHECK(resolved_device_type() != torch::kCUDA || !gpus_.empty() || procs_per_node_ == 0 ||
+                        procs_per_node_ <= static_cast<int>(trainloop::detail::cuda_device_count()),
+                    "procs_per_node is ", procs_per_node_, " on CUDA, but this machine has ", trainloop::detail::cuda_device_count(),
+                    " visible CUDA device", trainloop::detail::cuda_device_count() == 1 ? "" : "s", "; expected at most ",
+                    trainloop::detail::cuda_device_count(), " (one device per rank), or gpus({...}) naming each rank's device");
     TRAINLOOP_CHECK(!elastic_ || (backend_ == distributed::Backend::Gloo ||
                                   (backend_ == distributed::Backend::Auto && resolved_device_type() != torch::kCUDA)),
                     "elastic training with backend ", distributed::to_string(backend_), " on ",
