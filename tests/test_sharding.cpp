@@ -135,19 +135,20 @@ BOOST_AUTO_TEST_CASE(sharding_units_are_the_named_submodules_and_bad_names_and_l
                    "gpu_mode::DistributedDataParallel, the latter with zero(true))");
 }
 
-// Under torchrun a loop's ranks live on after a fit, holding the layout of the sharded parameters:
-// a model whose parameters changed since is refused by name on every rank.
+/// What `f` throws as trainloop::Error, or "no error".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const tl::Error& e) {
+    return std::string(e.what());
+  }
+  return std::string("no error");
+}
+
 // `--backend` chooses the collectives' library of ddp and fsdp; a name it does not know, and elastic
 // training over NCCL (whose lost peer's communicator is not aborted and re-created yet), are named.
 BOOST_AUTO_TEST_CASE(the_backend_flag_sets_the_library_and_elastic_training_is_refused_over_nccl) {
-  auto error_of = [](auto&& f) {
-    try {
-      f();
-    } catch (const tl::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   tl::ModeFlags flags;
   flags.gpu_mode = "ddp";
   BOOST_TEST((std::get<tl::gpu_mode::DistributedDataParallel>(tl::mode_from_flags(flags).get()).backend() ==
@@ -170,14 +171,6 @@ BOOST_AUTO_TEST_CASE(the_backend_flag_sets_the_library_and_elastic_training_is_r
 // More ranks on CUDA than the machine has devices: refused in the launching process, before any
 // rank starts (this machine's count, whatever it is: none here, one or more on a GPU machine).
 BOOST_AUTO_TEST_CASE(more_ranks_on_cuda_than_the_machine_has_devices_are_refused_before_any_starts) {
-  auto error_of = [](auto&& f) {
-    try {
-      f();
-    } catch (const tl::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   const int devices = static_cast<int>(trainloop::detail::cuda_device_count());
   const std::string too_many = error_of([devices] {
     tl::gpu_mode::DistributedDataParallel().device_type(torch::kCUDA).procs_per_node(devices + 1).validate();
@@ -190,6 +183,8 @@ BOOST_AUTO_TEST_CASE(more_ranks_on_cuda_than_the_machine_has_devices_are_refused
              }) == "no error");
 }
 
+// Under torchrun a loop's ranks live on after a fit, holding the layout of the sharded parameters:
+// a model whose parameters changed since is refused by name on every rank.
 BOOST_AUTO_TEST_CASE(a_sharded_model_whose_parameters_change_between_fits_is_refused_naming_the_parameter) {
   const fs::path dir = fresh_dir("sharded_model_changes");
   const int port = tl::distributed::find_free_port();
