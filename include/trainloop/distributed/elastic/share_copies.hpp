@@ -37,6 +37,7 @@
 #include <trainloop/distributed/elastic/box_descriptor.hpp>
 #include <trainloop/distributed/elastic/shared_copy_file.hpp>
 #include <trainloop/distributed/job/rank_env.hpp>
+#include <trainloop/error.hpp>
 #include <trainloop/progress/test_kill_point.hpp>
 
 #include <torch/torch.h>
@@ -90,13 +91,17 @@ inline torch::Tensor notice_of_block(const torch::Tensor& descriptor) {
 inline std::filesystem::path file_in_notice(const torch::Tensor& notice) {
   const auto* bytes = static_cast<const char*>(notice.data_ptr());
   if (notice.numel() >= 1 && bytes[0] == 'B') return {};
-  TRAINLOOP_CHECK(notice.numel() > 1 && bytes[0] == 'F', "a neighbour's notice of its copy of sharded state is ", notice.numel(),
-                  " bytes starting with ", notice.numel() > 0 ? static_cast<int>(bytes[0]) : -1,
-                  "; expected 'F' and a file or 'B' and a descriptor");
+  if (notice.numel() <= 1 || bytes[0] != 'F') {
+    throw CommunicationError(::trainloop::detail::concat(
+        "trainloop: a neighbour's notice of its copy of sharded state is ", notice.numel(), " bytes starting with ",
+        notice.numel() > 0 ? static_cast<int>(bytes[0]) : -1, "; expected 'F' and a file or 'B' and a descriptor"));
+  }
   const std::filesystem::path file(std::string(bytes + 1, static_cast<size_t>(notice.numel() - 1)));
   // Only a copy's own place: its keeper maps it after a loss, and removes it.
-  TRAINLOOP_CHECK(file.parent_path() == "/dev/shm" && file.filename().string().rfind("trainloop-elastic-", 0) == 0,
-                  "a neighbour's copy of sharded state is in ", file.string(), "; expected /dev/shm/trainloop-elastic-*");
+  if (file.parent_path() != "/dev/shm" || file.filename().string().rfind("trainloop-elastic-", 0) != 0) {
+    throw CommunicationError(::trainloop::detail::concat("trainloop: a neighbour's copy of sharded state is in ", file.string(),
+                                                         "; expected /dev/shm/trainloop-elastic-*"));
+  }
   return file;
 }
 
