@@ -5,7 +5,8 @@ byte that tells the fuzz target how to read it (0: a torch.save state_dict's pic
 TorchScript archive's pickle; 2: a whole torch.save file; 3: a whole TorchScript archive; with a
 torch that has torch.export, 4: a whole PT2 archive of torch.export.save, 5: its program's JSON,
 6: its weights config; with the safetensors package, 8: a whole .safetensors file; with torch 2.x's
-torch.distributed.checkpoint, 9: a DCP .metadata, 10: a tensor item of a .distcp file).
+torch.distributed.checkpoint, 9: a DCP .metadata, 10: a tensor item of a .distcp file; 11: a copy of
+a neighbour's shares as elastic training leaves it in /dev/shm).
 
     scripts/make-fuzz-corpus.py tests/fuzz/corpus     # with the python3 of the libtorch in use
 
@@ -148,6 +149,30 @@ def dcp_seeds():
                 'dcp_item_bf16': (10, item('model.b'))}
 
 
+def shared_copy_seeds():
+    """Copies of a neighbour's shares as elastic training leaves them in /dev/shm
+    (include/trainloop/distributed/elastic/shared_copy_file.hpp): the block of boxes, their
+    descriptor (box_descriptor.hpp: int64 numbers, then the keys), then the trailer (descriptor
+    length, block length, step 7, the mark). Written here byte by byte: no Python tool writes them."""
+    import struct
+    float32, float64, bfloat16 = 6, 7, 15  # c10::ScalarType
+
+    def copy_file(boxes, step=7):
+        block, numbers, keys = b'', [0x736f7870, len(boxes)], b''
+        for key, dtype, offsets, size, sizes, data in boxes:
+            numbers += [dtype, len(size)] + offsets + size + sizes + [len(block), len(key)]
+            block += data
+            keys += key.encode()
+        descriptor = struct.pack(f'<{len(numbers)}q', *numbers) + keys
+        return block + descriptor + struct.pack('<4q', len(descriptor), len(block), step, 0x79706f6365726873)
+
+    two = copy_file([('model.w', float32, [1, 0], [3, 4], [2, 4], struct.pack('<8f', *range(8))),
+                     ('optim.state.w.step', float64, [], [], [], struct.pack('<d', 7.0))])
+    mixed = copy_file([('model.b', bfloat16, [2], [6], [4], bytes(8)),
+                       ('model.e', float32, [0, 0], [0, 3], [0, 3], b'')])
+    return {'shared_copy': (11, two), 'shared_copy_bf16_empty': (11, mixed)}
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -176,6 +201,7 @@ def main():
     seeds.update(export_seeds(small))
     seeds.update(safetensors_seeds(small, dtypes))
     seeds.update(dcp_seeds())
+    seeds.update(shared_copy_seeds())
     for name, (flavor, pickle) in seeds.items():
         with open(os.path.join(out, name), 'wb') as f:
             f.write(bytes([flavor]) + pickle)

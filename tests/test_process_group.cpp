@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -270,6 +271,13 @@ BOOST_AUTO_TEST_CASE(a_copied_blocks_descriptor_round_trips_and_a_malformed_one_
     } catch (const trainloop::CommunicationError& error) {
       BOOST_TEST(std::string(error.what()).find("neighbour's copy of sharded state is malformed") != std::string::npos);
     }
+  }
+  // Element types no share holds (no size; no plain view of bytes): the same error, not libtorch's.
+  for (const c10::ScalarType dtype : {c10::ScalarType::Undefined, c10::ScalarType::QInt8, c10::ScalarType::Bits8}) {
+    torch::Tensor retyped = encoded.clone();
+    const auto value = static_cast<int64_t>(dtype);
+    std::memcpy(static_cast<char*>(retyped.data_ptr()) + 16, &value, 8);  // the first box's dtype
+    BOOST_CHECK_THROW(elastic::detail::decode_boxes(retyped, capture.block()), trainloop::CommunicationError);
   }
 }
 

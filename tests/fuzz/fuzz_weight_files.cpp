@@ -24,7 +24,10 @@
 //      and what parsed written again (metadata_pickle) must parse to the same (fuzz_dcp.hpp);
 //  10: a DCP .distcp tensor item (a torch.save blob) in a file, read as DistcpReader::read_chunk
 //      reads it for a fixed entry (float32 [2, 3]) and as DistcpItem reads any tensor (fuzz_dcp.hpp);
-//   11..15: not assigned yet; such inputs are ignored. A new reader takes the next free value (an
+//  11: a copy of a neighbour's shares as elastic training leaves it in /dev/shm (block, descriptor,
+//      trailer), read as a keeper reads it after a loss and written as the lost rank's .distcp
+//      file (fuzz_elastic.hpp);
+//   12..15: not assigned yet; such inputs are ignored. A new reader takes the next free value (an
 //      entry in kReaders and a line here); values never change meaning, so the corpus keeps its.
 // (Selectors 0..7 were the low three bits before 8 came; the seeds of then all start below 8.)
 // Then what a reader does with the result is done too: every tensor's bytes are read (so a view
@@ -34,6 +37,7 @@
 // -fsanitize=fuzzer,address; seeds: tests/fuzz/corpus (scripts/make-fuzz-corpus.py).
 #include "../pt2_fixture.hpp"
 #include "fuzz_dcp.hpp"
+#include "fuzz_elastic.hpp"
 
 #include <trainloop/serialization/export/export_graph.hpp>
 #include <trainloop/interpreter/graph_program.hpp>
@@ -242,6 +246,7 @@ constexpr Reader kReaders[16] = {
     read_safetensors_bytes,                                                                       // 8
     fuzz_dcp::fuzz_dcp_metadata,                                                                  // 9
     fuzz_dcp::fuzz_dcp_item,                                                                      // 10
+    fuzz_elastic::fuzz_shared_copy,                                                               // 11
 };
 
 }  // namespace

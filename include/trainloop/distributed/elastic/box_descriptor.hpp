@@ -75,6 +75,11 @@ inline std::vector<::trainloop::detail::CapturedBox> decode_boxes(const torch::T
     const int64_t dtype = number();
     if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) throw bad(::trainloop::detail::concat("dtype ", dtype));
     raw.dtype = static_cast<c10::ScalarType>(dtype);
+    // Only element types a share can hold: no size (Undefined) or no plain view of bytes
+    // (quantized, bits) would fail inside libtorch with its own error, not this one.
+    if (raw.dtype == c10::ScalarType::Undefined || c10::isQIntType(raw.dtype) || c10::isBitsType(raw.dtype)) {
+      throw bad(::trainloop::detail::concat("dtype ", raw.dtype));
+    }
     const int64_t dims = number();
     if (dims < 0 || dims > 16) throw bad(::trainloop::detail::concat(dims, " dimensions"));
     for (int64_t d = 0; d < dims; ++d) raw.offsets.push_back(number());
