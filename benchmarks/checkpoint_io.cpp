@@ -13,13 +13,25 @@
 //
 //      checkpoint_io --measure cost --every-steps 50 --steps 200 --repetitions 3 --dir /tmp
 //
+// 3. distcp: one rank's DCP data file (`__<rank>_0.distcp`, as a per-rank checkpoint and elastic
+//    training's hand-off write them) of --megabytes of float32 boxes that are views into one block
+//    (as a rank's captured shares are), written by DCP's writer (each box streamed from its memory)
+//    against libtorch's torch::jit::pickle_save of a contiguous copy of each box written out (the
+//    writer's way until 2026-12-01), alternated, fsynced, into --dir.
+//
+//      checkpoint_io --measure distcp --megabytes 400 --repetitions 7 --dir /dev/shm
+//
 // Output: one line per repetition, then `RESULT trainloop ...` lines with medians.
 // Exit status: 0 whatever the numbers; 1 on errors.
 
 #include "bench_common.hpp"
 #include "fashion_net.hpp"
 
+#include <trainloop/detail/atomic_file.hpp>
+#include <trainloop/serialization/dcp/distcp_writer.hpp>
 #include <trainloop/trainloop.hpp>
+
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <CLI/CLI.hpp>
 
@@ -29,6 +41,7 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -44,6 +57,7 @@ struct Config {
   int64_t every_steps = 50;
   int64_t steps = 200;
   int64_t batch_size = 64;
+  int64_t megabytes = 400;
   std::string dir = fs::temp_directory_path().string();
 };
 
@@ -123,13 +137,61 @@ int cost_benchmark(const Config& c) {
   return 0;
 }
 
+int distcp_benchmark(const Config& c) {
+  const int64_t boxes = 6, floats = std::max<int64_t>(1, c.megabytes * 1000000 / 4 / boxes);
+  const torch::Tensor block = torch::rand({boxes * floats + 16}, at::detail::createCPUGenerator(3));
+  std::vector<torch::Tensor> views;  // 16 floats in: no box starts where the block does
+  for (int64_t i = 0; i < boxes; ++i) views.push_back(block.narrow(0, 16 + i * floats, floats));
+  const fs::path dir = fs::path(c.dir) / "checkpoint_io_distcp";
+  fs::create_directories(dir);
+  auto streamed = [&] {
+    tl::serialization::dcp::DistcpWriter writer(dir, 0);
+    for (int64_t i = 0; i < boxes; ++i) writer.add_tensor_chunk("box" + std::to_string(i), views[static_cast<size_t>(i)], {0}, {floats});
+    (void)writer.finish();
+  };
+  auto copied = [&] {
+    tl::detail::BasicAtomicFile<tl::CheckpointError> file(dir / "__1_0.distcp", "the copied way's file");
+    for (const torch::Tensor& view : views) {
+      const torch::Tensor copy = view.clone();
+      const std::vector<char> saved = torch::jit::pickle_save(copy);
+      file.write(std::string_view(saved.data(), saved.size()));
+    }
+    file.commit();
+  };
+  auto seconds_of = [](const auto& write) {
+    const auto start = Clock::now();
+    write();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  std::vector<double> with_stream, with_copies;
+  for (int64_t r = 0; r < c.repetitions; ++r) {
+    const bool stream_first = r % 2 == 0;
+    const double first = seconds_of([&] { stream_first ? streamed() : copied(); });
+    const double second = seconds_of([&] { stream_first ? copied() : streamed(); });
+    with_stream.push_back(stream_first ? first : second);
+    with_copies.push_back(stream_first ? second : first);
+    std::printf("rep %lld: streamed %.3f s, pickle_save of copies %.3f s\n", static_cast<long long>(r + 1),
+                with_stream.back(), with_copies.back());
+  }
+  const auto [stream_min, stream_max] = std::minmax_element(with_stream.begin(), with_stream.end());
+  const auto [copies_min, copies_max] = std::minmax_element(with_copies.begin(), with_copies.end());
+  std::printf("RESULT trainloop distcp bytes %lld streamed %.4f (%.4f-%.4f) pickle_save_of_copies %.4f (%.4f-%.4f)\n",
+              static_cast<long long>(boxes * floats * 4), bench::median(with_stream), *stream_min, *stream_max,
+              bench::median(with_copies), *copies_min, *copies_max);
+  fs::remove_all(dir);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Checkpoint write time, size, and throughput cost"};
   Config c;
-  app.add_option("--measure", c.measure, "write (time and size of one checkpoint) or cost (throughput with checkpoints)")
-      ->check(CLI::IsMember({"write", "cost"}));
+  app.add_option("--measure", c.measure,
+                 "write (time and size of one checkpoint), cost (throughput with checkpoints) or distcp (a rank's DCP "
+                 "data file: streamed against pickle_save of copies)")
+      ->check(CLI::IsMember({"write", "cost", "distcp"}));
+  app.add_option("--megabytes", c.megabytes, "distcp: the boxes' size")->check(CLI::PositiveNumber);
   app.add_option("--model", c.model, "write: cnn (the example's) or mlp100 (~100 MB of parameters)")
       ->check(CLI::IsMember({"cnn", "mlp100"}));
   app.add_option("--repetitions", c.repetitions, "repetitions")->check(CLI::PositiveNumber);
@@ -140,6 +202,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (c.measure == "cost") return cost_benchmark(c);
+    if (c.measure == "distcp") return distcp_benchmark(c);
     if (c.model == "mlp100") {
       bench::mlp_shape() = bench::MlpShape{4608, 2};
       const auto mlp_data = bench::synthetic_mlp_data(c.batch_size, 0, torch::kCPU);

@@ -17,6 +17,7 @@
 #include <trainloop/serialization/dcp/metadata_file.hpp>
 
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -24,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -366,6 +368,38 @@ BOOST_AUTO_TEST_CASE(cpp_reads_any_flat_range_of_its_checkpoint) {
   }
   const std::string bytes = reader.read_bytes(metadata.bytes.at("extra.count"));
   BOOST_TEST(torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toInt() == 7);
+}
+
+BOOST_AUTO_TEST_CASE(a_chunk_is_torch_saves_archive_of_its_elements_byte_for_byte) {
+  // The writer streams each chunk's archive (libtorch's pickler and zip writer) from the chunk's
+  // memory: the bytes must be pickle_save's of a contiguous copy of it, whatever the view.
+  TempDir dir;
+  const torch::Tensor block = torch::arange(1000, torch::kFloat32);
+  const std::vector<std::pair<std::string, torch::Tensor>> chunks{
+      {"view", block.narrow(0, 17, 240).view({12, 20})},  // contiguous, inside a larger storage
+      {"transposed", block.narrow(0, 300, 60).view({6, 10}).t()},
+      {"own", torch::arange(6, torch::kInt64).view({2, 3})},
+      {"empty", torch::zeros({0, 4}, torch::kFloat64)},
+      {"scalar", torch::full({}, 2.5, torch::kFloat64)}};
+  dcp::DistcpWriter writer(dir.path, 0);
+  for (const auto& [name, chunk] : chunks) {
+    writer.add_tensor_chunk(name, chunk, std::vector<int64_t>(static_cast<size_t>(chunk.dim()), 0), chunk.sizes().vec());
+  }
+  const dcp::Metadata part = writer.finish();
+  std::ifstream in(dir.path / dcp::distcp_file_name(0), std::ios::binary);
+  const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  dcp::DistcpReader reader(dir.path, part);
+  for (const auto& [name, chunk] : chunks) {
+    BOOST_TEST_CONTEXT(name) {
+      const auto& stored = part.tensors.at(name).chunks.at(0);
+      const torch::Tensor copy = chunk.contiguous().clone();
+      const std::vector<char> expected = torch::jit::pickle_save(copy);
+      BOOST_TEST_REQUIRE(stored.offset + stored.length <= static_cast<int64_t>(file.size()));
+      BOOST_TEST(file.substr(static_cast<size_t>(stored.offset), static_cast<size_t>(stored.length)) ==
+                 std::string(expected.begin(), expected.end()));
+      BOOST_TEST(torch::equal(reader.read_chunk(stored), chunk));
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precondition(python_dcp_present)) {
