@@ -9,6 +9,7 @@
 // Skipped per case otherwise.
 
 #include "python_reference.hpp"
+#include "small_tmpfs.hpp"
 #include "test_support.hpp"
 
 #include <trainloop/serialization/dcp/distcp_reader.hpp>
@@ -400,6 +401,24 @@ BOOST_AUTO_TEST_CASE(a_chunk_is_torch_saves_archive_of_its_elements_byte_for_byt
       BOOST_TEST(torch::equal(reader.read_chunk(stored), chunk));
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(a_full_disk_is_finishs_error_naming_the_file_and_nothing_is_left,
+                     *boost::unit_test::precondition(can_mount_tmpfs)) {
+  // Chunks are streamed through a writer that remembers a failed write and skips the rest: the
+  // error comes from finish() (the commit), and the temporary file goes with the writer.
+  SmallTmpfs disk(1 << 20);  // 1 MiB; the chunk below is 4 MiB
+  BOOST_REQUIRE(disk.mounted);
+  const torch::Tensor block = torch::arange(1 << 20, torch::kFloat32);
+  {
+    dcp::DistcpWriter writer(disk.dir.path, 3);
+    writer.add_tensor_chunk("small", block.narrow(0, 0, 16), {0}, {16});
+    writer.add_tensor_chunk("big", block.narrow(0, 16, (1 << 20) - 16), {16}, {1 << 20});
+    const std::string error = error_of([&] { (void)writer.finish(); });
+    BOOST_TEST(contains(error, "__3_0.distcp"), error);
+    BOOST_TEST(contains(error, "No space left on device"), error);
+  }
+  BOOST_TEST(fs::is_empty(disk.dir.path));
 }
 
 BOOST_AUTO_TEST_CASE(python_loads_the_cpp_checkpoint, *boost::unit_test::precondition(python_dcp_present)) {
