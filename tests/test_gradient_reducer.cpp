@@ -9,6 +9,7 @@
 #include <trainloop/distributed/launch/free_port.hpp>
 #include <trainloop/gpu_mode/mode_flags.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -166,7 +167,8 @@ std::vector<RankResult> run_step(int world, bool reversed_registration, distribu
   return results;
 }
 
-/// Every rank's reduced grads equal the mean of the local grads (≤ 1e-6) and each other (exactly).
+/// Every rank's reduced grads equal the mean of the local grads (≤ 1e-6 of the largest local
+/// gradient, at least 1e-6) and each other (exactly).
 void check_averaged(const std::vector<RankResult>& results) {
   const std::size_t world = results.size();
   for (std::size_t p = 0; p < results[0].local.size(); ++p) {
@@ -176,7 +178,11 @@ void check_averaged(const std::vector<RankResult>& results) {
     for (std::size_t rank = 0; rank < world; ++rank) {
       BOOST_TEST_CONTEXT("parameter " << p << ", rank " << rank) {
         RANK_TEST(results[rank].reduced_defined[p]);
-        RANK_TEST((results[rank].reduced[p] - mean).abs().max().item<double>() <= 1e-6);
+        // Relative to the gradients' size: float32 sums in another order differ by a few ulps of
+        // the largest term (CI saw 3.0e-6 on 2.11 against an absolute 1e-6).
+        double scale = 1.0;
+        for (const auto& r : results) scale = std::max(scale, r.local[p].abs().max().item<double>());
+        RANK_TEST((results[rank].reduced[p] - mean).abs().max().item<double>() <= 1e-6 * scale);
         RANK_TEST(torch::equal(results[rank].reduced[p], results[0].reduced[p]));
       }
     }
